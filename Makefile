@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make train` and `make test`. Both create .venv when it is missing.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install train test lint bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || (command -v $(PY) >/dev/null && $(PY) -m venv $(VENV) || python3 -m venv $(VENV))
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned: this is the CPU build on disk here; a looser spec pulls a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/moeflow train --config configs/default.toml
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,179 @@
+"""The `moeflow` command: train | plan | simulate | info."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+USAGE = """moeflow <command> [options]
+
+commands:
+  train      train a model (config file + --section.key=value overrides); --help for details
+  plan       choose a parallel layout for a model on a cluster (memory and time model)
+  simulate   predict expert-parallel traffic at scale (`moeflow simulate ep --help`)
+  info       versions, devices and available backends
+"""
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moeflow train",
+        description="Train a model. Settings come from defaults, then --config FILE (TOML), then "
+        "--section.key=value overrides (e.g. --training.steps=100 --model.name=tiny-dense). "
+        "Training resumes automatically from the newest complete checkpoint in --run-dir.",
+        epilog="All settings: moeflow train --help-config. Effective config: --print-config.",
+    )
+    p.add_argument("--config", help="TOML job file (see configs/)")
+    p.add_argument("--run-dir", help="output folder for metrics, TensorBoard and checkpoints (run_dir)")
+    p.add_argument("--resume", action="store_true", help="require a checkpoint to resume from (error if none)")
+    p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in the run dir")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="start this many local processes (through torch.distributed.run); default 1")
+    p.add_argument("--print-config", action="store_true", help="print the effective config as TOML and exit")
+    p.add_argument("--help-config", action="store_true", help="list every setting with its type and meaning")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _help_config() -> str:
+    from moeflow.config import all_keys
+
+    lines = []
+    for key, (typ, doc) in all_keys().items():
+        lines.append(f"  --{key}=<{getattr(typ, '__name__', str(typ))}>\n      {doc}")
+    return "settings (model.* keys override the preset chosen by model.name):\n" + "\n".join(lines)
+
+
+def cmd_train(argv: list[str]) -> int:
+    parser = _train_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.help_config:
+        print(_help_config())
+        return 0
+    from moeflow.config import load_config, parse_overrides, to_toml
+
+    overrides = parse_overrides(rest)
+    if args.run_dir:
+        overrides["run_dir"] = args.run_dir
+    cfg = load_config(args.config, overrides)  # validate before starting any process
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    nproc = args.nproc_per_node
+    if nproc and nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch(nproc, argv)
+    from moeflow.train.trainer import train
+
+    summary = train(cfg, resume=args.resume, fresh=args.fresh, progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(format_summary(summary))
+    _destroy()
+    return 0
+
+
+def _destroy() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """Re-run this command under torch.distributed.run with nproc local processes."""
+    cores = os.cpu_count() or 1
+    import torch
+
+    if not torch.cuda.is_available() and nproc > cores:
+        print(f"warning: --nproc-per-node {nproc} is more than the {cores} CPU cores here; "
+              f"each rank will get less than a core and training will be slow", file=sys.stderr)
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            rest.append(a)
+    from torch.distributed.run import main as torchrun
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    torchrun(["--standalone", f"--nproc-per-node={nproc}", "--no-python", sys.executable, "-m", "moeflow",
+              "train", *rest])
+    return 0
+
+
+def format_summary(s: dict) -> str:
+    def fmt(x, spec=".4f"):
+        return "n/a" if x is None else format(x, spec)
+
+    rows = [
+        ("model", f"{s['model']} ({s['params'] / 1e6:.2f}M params, {s['active_params'] / 1e6:.2f}M active)"),
+        ("layout", s["layout"]),
+        ("steps", f"{s['start_step']} -> {s['steps']} in {s['elapsed_s']:.1f} s"),
+        ("train loss", f"{fmt(s['first_loss'])} -> {fmt(s['final_loss'])}"),
+        ("val loss", fmt(s["val_loss"])),
+        ("tokens/s", f"{s['tokens_per_s']:,.0f}" + ("  (MFU unknown: no peak FLOP/s for this device)"
+                                                    if s.get("mfu") == "unknown" else "")),
+        ("checkpoint", s["checkpoint"] or "none"),
+        ("metrics", f"{s['metrics']}  (TensorBoard: tensorboard --logdir {s['tensorboard']})"),
+    ]
+    return "\nsummary\n" + "\n".join(f"  {k:<11} {v}" for k, v in rows)
+
+
+def cmd_info(argv: list[str]) -> int:
+    import platform
+
+    import torch
+    import torch.distributed as dist
+
+    import moeflow
+
+    print(f"moeflow {moeflow.__version__}, torch {torch.__version__}, Python {platform.python_version()}")
+    print(f"platform: {platform.platform()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            print(f"cuda:{i}: {torch.cuda.get_device_name(i)}")
+    else:
+        print("CUDA: not available (training runs on the CPU with gloo)")
+    backends = [b for b, ok in [("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
+                                ("mpi", dist.is_mpi_available())] if ok]
+    print(f"torch.distributed backends: {', '.join(backends) or 'none'}")
+    for pkg in ("transformers", "deep_ep", "uccl", "safetensors", "tokenizers"):
+        try:
+            mod = __import__(pkg)
+            print(f"{pkg}: {getattr(mod, '__version__', 'installed')}")
+        except ImportError:
+            print(f"{pkg}: not installed")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    try:
+        if cmd == "train":
+            return cmd_train(rest)
+        if cmd == "info":
+            return cmd_info(rest)
+        if cmd == "plan":
+            from moeflow.plan.cli import main as plan_main
+
+            return plan_main(rest)
+        if cmd == "simulate":
+            from moeflow.sim.cli import main as sim_main
+
+            return sim_main(rest)
+    except ValueError as e:
+        # Bad input: one clear line, no traceback.
+        print(f"moeflow {cmd}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"moeflow: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

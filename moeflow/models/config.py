@@ -1,0 +1,245 @@
+"""Model configuration: plain dataclasses, no torch import (the planner uses these without torch).
+
+Parameter-count formulas live next to the fields they count, so `num_params()` of a config equals
+`sum(p.numel() for p in model.parameters())` of the model built from it (tested), and the real
+presets' counts can be checked against the published ones without building anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+ATTENTIONS = ("gqa", "mla")
+QK_NORMS = ("none", "per_head", "full")
+
+
+@dataclass
+class MoEConfig:
+    """Routed (and shared) experts of an MoE FFN. `num_experts == 0` in ModelConfig.moe means dense."""
+
+    num_experts: int = 8
+    """Routed experts per MoE layer (E)."""
+    top_k: int = 2
+    """Experts each token is sent to (K)."""
+    ffn_dim: int = 256
+    """Hidden width of one routed expert (F)."""
+    num_shared_experts: int = 0
+    """Always-on shared experts, fused into one SwiGLU of width num_shared_experts * shared_ffn_dim."""
+    shared_ffn_dim: int = 0
+    """Width of one shared expert; 0 means ffn_dim."""
+    first_k_dense: int = 0
+    """The first k layers use a dense FFN (ModelConfig.ffn_dim) instead of experts (DeepSeek-V3: 3)."""
+    score_func: str = "softmax"
+    """Router score: 'softmax' over experts (Mixtral, Qwen3-MoE) or per-expert 'sigmoid' (DeepSeek-V3)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k weights to sum to 1."""
+    route_scale: float = 1.0
+    """Multiply the routing weights by this (DeepSeek-V3's routed_scaling_factor, 2.5)."""
+    n_group: int = 1
+    """Group-limited routing: experts are split into n_group groups (DeepSeek-V3: 8)."""
+    topk_group: int = 1
+    """... and each token picks experts only inside its best topk_group groups (DeepSeek-V3: 4)."""
+    load_balance: str = "aux_free"
+    """'aux_free': a per-expert selection bias updated from the observed load (DeepSeek-V3); 'none'."""
+    bias_update_rate: float = 1e-3
+    """Step of the aux-free bias update: bias += rate * sign(mean_load - load)."""
+    aux_loss_coef: float = 0.0
+    """Coefficient of the Switch/GShard auxiliary balance loss E * sum_e f_e * P_e (0 = off)."""
+    z_loss_coef: float = 0.0
+    """Coefficient of the router z-loss mean(logsumexp(logits)^2) (ST-MoE; 0 = off)."""
+    capacity_factor: float | None = None
+    """None = dropless. Otherwise each expert takes at most ceil(cf * T * K / E) tokens; the rest drop."""
+    expert_impl: str = "auto"
+    """Grouped matmul path: 'auto' (fastest measured here), 'grouped_mm', 'bmm', 'loop'."""
+
+    @property
+    def shared_width(self) -> int:
+        return self.num_shared_experts * (self.shared_ffn_dim or self.ffn_dim)
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer, dense or MoE."""
+
+    name: str = "custom"
+    """Preset name or 'custom'."""
+    vocab_size: int = 256
+    """Vocabulary size (V)."""
+    dim: int = 128
+    """Model width (D)."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Query heads."""
+    n_kv_heads: int = 0
+    """Key/value heads for grouped-query attention; 0 means n_heads."""
+    head_dim: int = 0
+    """Per-head width; 0 means dim // n_heads."""
+    ffn_dim: int = 256
+    """Hidden width of a dense SwiGLU FFN (dense models, and the first_k_dense layers of MoE models)."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    max_seq_len: int = 256
+    """Longest sequence RoPE tables are built for."""
+    tie_embeddings: bool = False
+    """Share the embedding matrix with the output head."""
+    qk_norm: str = "none"
+    """RMSNorm on queries and keys: 'none', 'per_head' (Qwen3), 'full' (OLMoE, over all heads)."""
+    attention: str = "gqa"
+    """'gqa' (grouped-query attention) or 'mla' (DeepSeek multi-head latent attention)."""
+    q_lora_rank: int = 0
+    """MLA: rank of the low-rank query projection (0 = full-rank query)."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the compressed key/value latent."""
+    qk_nope_head_dim: int = 128
+    """MLA: per-head query/key width without RoPE."""
+    qk_rope_head_dim: int = 64
+    """MLA: per-head decoupled RoPE width (the RoPE key is shared by all heads)."""
+    v_head_dim: int = 128
+    """MLA: per-head value width."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init."""
+    moe: MoEConfig = field(default_factory=lambda: MoEConfig(num_experts=0))
+    """Experts; moe.num_experts == 0 makes every layer dense."""
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.moe.first_k_dense
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    # ---- validation ----------------------------------------------------------------------
+    def validate(self) -> ModelConfig:
+        """Raise ValueError naming the setting, its value and a fix; return self."""
+        from moeflow.errors import check_choice, divisors
+
+        check_choice("model.attention", self.attention, ATTENTIONS)
+        check_choice("model.qk_norm", self.qk_norm, QK_NORMS)
+        for key in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"model.{key} must be positive, got {getattr(self, key)}")
+        if self.attention == "gqa":
+            if not self.head_dim and self.dim % self.n_heads:
+                raise ValueError(
+                    f"model.n_heads ({self.n_heads}) must divide model.dim ({self.dim}); "
+                    f"choose n_heads in {divisors(self.dim, limit=64)} or set model.head_dim"
+                )
+            if self.n_heads % self.kv_heads:
+                raise ValueError(
+                    f"model.n_kv_heads ({self.kv_heads}) must divide model.n_heads ({self.n_heads}); "
+                    f"choose n_kv_heads in {divisors(self.n_heads)}"
+                )
+            if self.hd % 2:
+                raise ValueError(f"head width ({self.hd}) must be even for RoPE; change model.head_dim")
+        if self.is_moe:
+            m = self.moe
+            check_choice("model.moe.score_func", m.score_func, SCORE_FUNCS)
+            check_choice("model.moe.load_balance", m.load_balance, ("aux_free", "none"))
+            check_choice("model.moe.expert_impl", m.expert_impl, ("auto", "grouped_mm", "bmm", "loop"))
+            if not 1 <= m.top_k <= m.num_experts:
+                raise ValueError(
+                    f"model.moe.top_k ({m.top_k}) must be between 1 and model.moe.num_experts "
+                    f"({m.num_experts}); lower top_k or add experts"
+                )
+            if m.n_group < 1 or m.num_experts % m.n_group:
+                raise ValueError(
+                    f"model.moe.num_experts ({m.num_experts}) must split into model.moe.n_group "
+                    f"({m.n_group}) equal groups; choose n_group in {divisors(m.num_experts)}"
+                )
+            if not 1 <= m.topk_group <= m.n_group:
+                raise ValueError(
+                    f"model.moe.topk_group ({m.topk_group}) must be between 1 and model.moe.n_group "
+                    f"({m.n_group}); lower topk_group or raise n_group"
+                )
+            if m.top_k > m.topk_group * (m.num_experts // m.n_group):
+                raise ValueError(
+                    f"model.moe.top_k ({m.top_k}) exceeds the experts in topk_group ({m.topk_group}) groups "
+                    f"of {m.num_experts // m.n_group}; raise topk_group or lower top_k"
+                )
+            if m.capacity_factor is not None and m.capacity_factor <= 0:
+                raise ValueError(
+                    f"model.moe.capacity_factor must be positive or unset (dropless), got {m.capacity_factor}"
+                )
+            if not 0 <= m.first_k_dense <= self.n_layers:
+                raise ValueError(
+                    f"model.moe.first_k_dense ({m.first_k_dense}) must be in [0, n_layers={self.n_layers}]"
+                )
+        return self
+
+    # ---- parameter counts ----------------------------------------------------------------
+    def attention_params(self) -> int:
+        d = self.dim
+        if self.attention == "mla":
+            h, nope, rope, v = self.n_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+            if self.q_lora_rank:
+                q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * (nope + rope)
+            else:
+                q = d * h * (nope + rope)
+            kv = d * (self.kv_lora_rank + rope) + self.kv_lora_rank + self.kv_lora_rank * h * (nope + v)
+            return q + kv + h * v * d
+        q, kv = self.n_heads * self.hd, self.kv_heads * self.hd
+        norms = {"none": 0, "per_head": 2 * self.hd, "full": q + kv}[self.qk_norm]
+        return d * q + 2 * d * kv + q * d + norms
+
+    def dense_ffn_params(self) -> int:
+        return 3 * self.dim * self.ffn_dim
+
+    def moe_params(self, active: bool = False) -> int:
+        m, d = self.moe, self.dim
+        routed = (m.top_k if active else m.num_experts) * 3 * d * m.ffn_dim
+        return d * m.num_experts + routed + 3 * d * m.shared_width
+
+    def layer_params(self, layer: int, active: bool = False) -> int:
+        ffn = self.moe_params(active) if self.is_moe_layer(layer) else self.dense_ffn_params()
+        return 2 * self.dim + self.attention_params() + ffn
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+
+    def num_params(self) -> int:
+        """Every parameter: embeddings, output head (unless tied), final norm, all blocks."""
+        return self.embedding_params() + self.dim + sum(self.layer_params(i) for i in range(self.n_layers))
+
+    def num_active_params(self) -> int:
+        """Parameters one token touches: as num_params but top_k of the routed experts per MoE layer."""
+        return self.embedding_params() + self.dim + sum(
+            self.layer_params(i, active=True) for i in range(self.n_layers)
+        )
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 * active non-embedding matmul params + attention scores.
+
+        6N for forward+backward (Kaplan et al. 2020, "Scaling Laws", sec. 2.1), with N counted as the
+        active parameters used in matmuls (the output head counts; the embedding lookup does not), plus
+        the attention term 6 * n_layers * seq_len * (qk width + v width) per token for causal attention
+        (12 * L * S * D in Kaplan's notation for full attention, halved for the causal mask).
+        """
+        n_matmul = self.num_active_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
+        n_matmul -= self.dim  # final norm is not a matmul; per-layer norms are negligible and kept
+        if self.attention == "mla":
+            qk, v = self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim), self.n_heads * self.v_head_dim
+        else:
+            qk = v = self.n_heads * self.hd
+        attn = 6 * self.n_layers * seq_len * (qk + v) / 2
+        return 6.0 * n_matmul + attn
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)

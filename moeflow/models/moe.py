@@ -1,0 +1,263 @@
+"""Mixture-of-Experts FFN: Router, GroupedExperts, shared experts, and the MoE module that joins them.
+
+Shape suffixes: T tokens, K top-k, E experts, D model width, F expert width, N routed rows (valid
+(token, expert) pairs sorted by expert), G expert groups.
+
+No torch.distributed here: expert parallelism wraps this module from outside (moeflow.ep.moe_layer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeflow.models.config import ModelConfig, MoEConfig
+
+# The fastest grouped-matmul path measured by bench/moe_layer.py, per device type (see its README table).
+DEFAULT_EXPERT_IMPL = {"cpu": "grouped_mm", "cuda": "grouped_mm"}
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+@dataclass
+class RouterOutput:
+    topk_idx: torch.Tensor  # [T, K] int64, -1 where a token was dropped by the capacity limit
+    topk_weights: torch.Tensor  # [T, K] float32, 0 where dropped; carries the aux-loss gradient
+    tokens_per_expert: torch.Tensor  # [E] int64, after dropping
+    aux_loss: torch.Tensor  # scalar, already multiplied by the coefficients (0 when off)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the routing weights whose backward also feeds d(aux)/d(aux) = scale into the aux loss.
+
+    This adds the balance loss to the training objective without threading it through every
+    module's return value (and so without the model's forward returning more than logits); the
+    same trick Megatron-Core uses (MoEAuxLossAutoScaler).
+    """
+
+    @staticmethod
+    def forward(ctx, weights_TK, aux_loss, scale: float):
+        ctx.scale = scale
+        ctx.aux_shape = aux_loss.shape
+        return weights_TK.view_as(weights_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TK):
+        return grad_TK, torch.full(ctx.aux_shape, ctx.scale, device=grad_TK.device), None
+
+
+class Router(nn.Module):
+    """Top-k router with group-limited selection, aux-loss-free bias, aux/z losses and capacity."""
+
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(dim, cfg.num_experts, bias=False)
+        # Used only to choose experts, never to weight them (DeepSeek-V3 report, sec. 2.1.2).
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        # The load of the last forward, read by the trainer right after it (for logging and bias
+        # updates). Overwritten, never accumulated, so activation recomputation cannot count twice.
+        self.last_load: torch.Tensor | None = None  # [E] float32 tokens per expert
+        self.last_dropped: torch.Tensor | None = None  # scalar float32, assignments dropped
+        self.aux_loss_scale = 1.0  # the trainer sets 1 / gradient-accumulation steps
+
+    def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        if self.cfg.score_func == "softmax":
+            return logits_TE.softmax(dim=-1)
+        return logits_TE.sigmoid()
+
+    def select(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """topk_idx [T, K] from scores (+ the balancing bias), limited to the best topk_group groups."""
+        cfg = self.cfg
+        choice_TE = scores_TE + self.expert_bias if cfg.load_balance == "aux_free" else scores_TE
+        if cfg.n_group > 1:
+            T, E = choice_TE.shape
+            per_group = E // cfg.n_group
+            grouped_TGe = choice_TE.view(T, cfg.n_group, per_group)
+            # A group's score is the sum of its best two experts (DeepSeek-V3's HF reference code).
+            group_score_TG = grouped_TGe.topk(min(2, per_group), dim=-1).values.sum(-1)
+            keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
+            keep_TG.scatter_(1, group_score_TG.topk(cfg.topk_group, dim=-1).indices, True)
+            keep_TE = keep_TG.unsqueeze(-1).expand(T, cfg.n_group, per_group).reshape(T, E)
+            choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))
+        return choice_TE.topk(cfg.top_k, dim=-1).indices
+
+    def apply_capacity(self, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+        """Drop assignments beyond ceil(cf * T * K / E) per expert, earliest tokens first (GShard)."""
+        T, K = topk_idx_TK.shape
+        E = self.cfg.num_experts
+        capacity = math.ceil(self.cfg.capacity_factor * T * K / E)
+        flat = topk_idx_TK.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (t, k) order is kept inside each expert
+        counts_E = torch.bincount(flat, minlength=E)
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        pos_sorted = torch.arange(flat.numel(), device=flat.device) - starts_E[flat[order]]
+        pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
+        return torch.where(pos < capacity, flat, torch.full_like(flat, -1)).view(T, K)
+
+    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+        cfg = self.cfg
+        # Routing in fp32 whatever the activations are: top-k ties and softmax saturate in bf16.
+        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        scores_TE = self.scores(logits_TE)
+        with torch.no_grad():
+            topk_idx_TK = self.select(scores_TE)
+        weights_TK = scores_TE.gather(1, topk_idx_TK)
+        if cfg.norm_topk_prob and cfg.top_k > 1:
+            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        weights_TK = weights_TK * cfg.route_scale
+        if cfg.capacity_factor is not None:
+            topk_idx_TK = self.apply_capacity(topk_idx_TK)
+            weights_TK = weights_TK.masked_fill(topk_idx_TK < 0, 0.0)
+
+        valid = topk_idx_TK >= 0
+        tokens_per_expert_E = torch.bincount(topk_idx_TK[valid], minlength=cfg.num_experts)
+        aux_loss = self.balance_losses(logits_TE, scores_TE, topk_idx_TK)
+        if aux_loss.requires_grad and torch.is_grad_enabled():
+            weights_TK = _AttachAuxLoss.apply(weights_TK, aux_loss, self.aux_loss_scale)
+        self.last_load = tokens_per_expert_E.detach().float()
+        self.last_dropped = (~valid).sum().float()
+        return RouterOutput(topk_idx_TK, weights_TK, tokens_per_expert_E, aux_loss.detach())
+
+    def balance_losses(self, logits_TE, scores_TE, topk_idx_TK) -> torch.Tensor:
+        """aux_coef * E * sum_e f_e P_e  +  z_coef * mean(logsumexp(logits)^2).
+
+        f_e: share of the T*K assignments that chose e (1/E each when balanced, so the loss is 1 then);
+        P_e: mean routing probability of e (Switch Transformers, Fedus et al. 2021, eq. 4; ST-MoE,
+        Zoph et al. 2022, eq. 5 for the z-loss).
+        """
+        cfg = self.cfg
+        total = logits_TE.new_zeros(())
+        if cfg.aux_loss_coef > 0:
+            T, K = topk_idx_TK.shape
+            valid = topk_idx_TK >= 0
+            f_E = torch.bincount(topk_idx_TK[valid], minlength=cfg.num_experts).float() / (T * K)
+            probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
+            total = total + cfg.aux_loss_coef * cfg.num_experts * (f_E * probs_TE.mean(0)).sum()
+        if cfg.z_loss_coef > 0:
+            total = total + cfg.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean()
+        return total
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor) -> None:
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
+        if self.cfg.load_balance == "aux_free":
+            self.expert_bias += self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E)
+
+
+def permute_by_expert(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order_N, counts_E): flat (t*K + k) positions of the valid pairs, sorted by expert; per-expert counts.
+
+    The number of valid pairs N is data dependent, so slicing to it is a host sync (one per layer).
+    """
+    flat = topk_idx_TK.reshape(-1)
+    key = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)  # dropped pairs sort last
+    order = torch.argsort(key, stable=True)
+    counts_E = torch.bincount(flat[flat >= 0], minlength=num_experts)
+    n_valid = int(counts_E.sum())  # host sync: the output size of the expert matmuls
+    return order[:n_valid], counts_E
+
+
+def _swiglu(h1, h3):
+    return F.silu(h1) * h3
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with 3-D weights; rows arrive sorted by expert with per-expert counts."""
+
+    IMPLS = ("grouped_mm", "bmm", "loop")
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, impl: str = "auto"):
+        super().__init__()
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # gate, [E, D, F]
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # up,   [E, D, F]
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # down, [E, F, D]
+        self.impl = impl
+
+    def resolve_impl(self, x: torch.Tensor) -> str:
+        if self.impl != "auto":
+            return self.impl
+        impl = DEFAULT_EXPERT_IMPL.get(x.device.type, "loop")
+        # torch's grouped_mm takes fp32 on the CPU but only bf16 on CUDA (as of torch 2.13).
+        if impl == "grouped_mm" and x.device.type == "cuda" and x.dtype != torch.bfloat16:
+            return "bmm"
+        return impl
+
+    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        return expert_matmuls(x_ND, counts_E, self.w1, self.w3, self.w2, self.resolve_impl(x_ND))
+
+
+def expert_matmuls(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD, impl: str) -> torch.Tensor:
+    """The three expert matmuls for rows sorted by expert, by one of the grouped paths (all agree)."""
+    if x_ND.shape[0] == 0:
+        # No rows: still touch the weights so every rank's backward produces (zero) expert gradients.
+        return x_ND.new_zeros((0, w2_EFD.shape[-1])) + 0.0 * (w1_EDF.sum() + w3_EDF.sum() + w2_EFD.sum())
+    dtype = x_ND.dtype
+    w1_EDF, w3_EDF, w2_EFD = w1_EDF.to(dtype), w3_EDF.to(dtype), w2_EFD.to(dtype)
+    if impl == "grouped_mm":
+        offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+        h_NF = _swiglu(F.grouped_mm(x_ND, w1_EDF, offs=offs_E), F.grouped_mm(x_ND, w3_EDF, offs=offs_E))
+        return F.grouped_mm(h_NF, w2_EFD, offs=offs_E)
+    if impl == "bmm":
+        return _padded_bmm(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD)
+    if impl == "loop":
+        outs = []
+        # host sync: segment lengths to slice each expert's rows
+        for e, (x_nD) in enumerate(torch.split(x_ND, counts_E.tolist())):
+            outs.append(_swiglu(x_nD @ w1_EDF[e], x_nD @ w3_EDF[e]) @ w2_EFD[e])
+        return torch.cat(outs)
+    raise ValueError(f"model.moe.expert_impl = {impl!r}; choose one of {GroupedExperts.IMPLS} or 'auto'")
+
+
+def _padded_bmm(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD):
+    """Scatter rows into [E, C, D] (C = the largest count), three bmm, gather back."""
+    E = counts_E.numel()
+    C = int(counts_E.max())  # host sync: the padded size
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    expert_N = torch.repeat_interleave(torch.arange(E, device=x_ND.device), counts_E, output_size=x_ND.shape[0])
+    slot_N = torch.arange(x_ND.shape[0], device=x_ND.device) - starts_E[expert_N]
+    flat_slot_N = expert_N * C + slot_N
+    x_ECD = x_ND.new_zeros(E * C, x_ND.shape[1]).index_copy(0, flat_slot_N, x_ND).view(E, C, -1)
+    h_ECF = _swiglu(torch.bmm(x_ECD, w1_EDF), torch.bmm(x_ECD, w3_EDF))
+    y_ECD = torch.bmm(h_ECF, w2_EFD)
+    return y_ECD.reshape(E * C, -1).index_select(0, flat_slot_N)
+
+
+class MoE(nn.Module):
+    """Routed experts (+ optional shared experts): y = sum_k w_k * expert_k(x) + shared(x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.moe
+        self.num_experts, self.top_k = m.num_experts, m.top_k
+        self.router = Router(cfg.dim, m)
+        self.experts = GroupedExperts(m.num_experts, cfg.dim, m.ffn_dim, impl=m.expert_impl)
+        self.shared_experts = FeedForward(cfg.dim, m.shared_width) if m.num_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_TD = x.reshape(-1, x.shape[-1])
+        routed = self.router(x_TD)
+        order_N, counts_E = permute_by_expert(routed.topk_idx, self.num_experts)
+        token_N = order_N // self.top_k
+        y_ND = self.experts(x_TD[token_N], counts_E)
+        y_ND = y_ND * routed.topk_weights.reshape(-1)[order_N].unsqueeze(-1).to(y_ND.dtype)
+        out_TD = torch.zeros_like(x_TD).index_add_(0, token_N, y_ND.to(x_TD.dtype))
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        return out_TD.view_as(x)

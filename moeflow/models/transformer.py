@@ -1,0 +1,168 @@
+"""Decoder-only transformer written for one device: RMSNorm, RoPE, GQA (or MLA), SwiGLU or MoE FFN.
+
+Blocks live in a ModuleDict keyed by layer index, and the embedding, final norm and output head are
+optional, so a pipeline stage can keep a slice of the blocks and drop the rest (DESIGN.md, principle 1).
+Shape suffixes: B batch, S sequence, D width, H heads, Hk kv heads, Dh head width, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeflow.models.config import ModelConfig
+from moeflow.models.moe import FeedForward, GroupedExperts, MoE, Router
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as Llama's reference does) and cast back before the weight.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [S, Dh] for the rotate-half convention (the layout Hugging Face checkpoints use)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles_SDh2 = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    angles_SDh = torch.cat([angles_SDh2, angles_SDh2], dim=-1)
+    return angles_SDh.cos(), angles_SDh.sin()
+
+
+def apply_rope(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+    half = x_BHSDh.shape[-1] // 2
+    rotated = torch.cat([-x_BHSDh[..., half:], x_BHSDh[..., :half]], dim=-1)
+    return (x_BHSDh * cos_SDh + rotated * sin_SDh).to(x_BHSDh.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention through scaled_dot_product_attention (causal)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.hd
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.wq = nn.Linear(cfg.dim, q_width, bias=False)
+        self.wk = nn.Linear(cfg.dim, kv_width, bias=False)
+        self.wv = nn.Linear(cfg.dim, kv_width, bias=False)
+        self.wo = nn.Linear(q_width, cfg.dim, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "per_head":  # Qwen3: one RMSNorm over each head's width
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps), RMSNorm(self.head_dim, cfg.norm_eps)
+        elif cfg.qk_norm == "full":  # OLMoE: over all heads' widths together, before the head split
+            self.q_norm, self.k_norm = RMSNorm(q_width, cfg.norm_eps), RMSNorm(kv_width, cfg.norm_eps)
+
+    def forward(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        # -1 rather than the configured head count: under tensor parallelism each rank holds a slice.
+        q_BHSDh = q.view(B, S, -1, self.head_dim).transpose(1, 2)
+        k_BHSDh = k.view(B, S, -1, self.head_dim).transpose(1, 2)
+        v_BHSDh = v.view(B, S, -1, self.head_dim).transpose(1, 2)
+        if self.qk_norm == "per_head":
+            q_BHSDh, k_BHSDh = self.q_norm(q_BHSDh), self.k_norm(k_BHSDh)
+        q_BHSDh, k_BHSDh = apply_rope(q_BHSDh, cos_SDh, sin_SDh), apply_rope(k_BHSDh, cos_SDh, sin_SDh)
+        o_BHSDh = F.scaled_dot_product_attention(
+            q_BHSDh, k_BHSDh, v_BHSDh, is_causal=True, enable_gqa=q_BHSDh.shape[1] != k_BHSDh.shape[1]
+        )
+        return self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = build_attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x_BSD, cos_SDh, sin_SDh):
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SDh, sin_SDh)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def build_attention(cfg: ModelConfig) -> nn.Module:
+    if cfg.attention == "mla":
+        from moeflow.models.mla import MultiHeadLatentAttention
+
+        return MultiHeadLatentAttention(cfg)
+    return Attention(cfg)
+
+
+class Transformer(nn.Module):
+    """tokens [B, S] -> logits [B, S, V]. Without an embedding it takes hidden states [B, S, D];
+    without an output head it returns hidden states (pipeline stages)."""
+
+    def __init__(self, cfg: ModelConfig, *, embed: bool = True, head: bool = True, layers: list[int] | None = None):
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim) if embed else None
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(cfg, i) for i in (range(cfg.n_layers) if layers is None else layers)}
+        )
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if head else None
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if head else None
+        if cfg.tie_embeddings and embed and head:
+            self.output.weight = self.tok_embeddings.weight
+        rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.hd
+        cos, sin = rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 * n_layers)
+        (GPT-2, Radford et al. 2019, sec. 2.3); norms to one; router biases to zero."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, module in self.named_modules():
+            residual_out = name.endswith((".wo", ".w2"))
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                _normal_(module.weight, out_std if residual_out else std, gen)
+            elif isinstance(module, GroupedExperts):
+                _normal_(module.w1, std, gen)
+                _normal_(module.w3, std, gen)
+                _normal_(module.w2, out_std, gen)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, Router):
+                module.expert_bias.zero_()
+        cos, sin = rope_tables(self.rope_cos.shape[-1], self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        S = h.shape[1]
+        if S > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {S} exceeds model.max_seq_len ({self.cfg.max_seq_len}); "
+                f"raise model.max_seq_len or shorten data.seq_len"
+            )
+        cos, sin = self.rope_cos[:S].to(h.dtype), self.rope_sin[:S].to(h.dtype)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def moe_routers(self) -> list[tuple[str, Router]]:
+        return [(n, m) for n, m in self.named_modules() if isinstance(m, Router)]
+
+
+def _normal_(t: torch.Tensor, std: float, gen: torch.Generator | None) -> None:
+    # Draw in fp32 on the CPU so the same seed gives the same weights on every device and dtype.
+    t.copy_(torch.randn(t.shape, generator=gen) * std)

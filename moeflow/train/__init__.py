@@ -1,0 +1,1 @@
+"""Training: the trainer loop, data and tokenizers, checkpoints, metrics."""

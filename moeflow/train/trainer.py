@@ -1,0 +1,299 @@
+"""The training loop: data -> model (-> parallelism) -> AdamW steps, with metrics and checkpoints.
+
+One step trains on training.global_batch sequences whatever the number of ranks: each data-parallel
+rank takes its contiguous share, splits it into micro-batches, and FSDP averages the gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from moeflow.config import JobConfig, to_toml
+from moeflow.models.transformer import Transformer
+from moeflow.parallel.checkpointing import apply_activation_checkpointing
+from moeflow.train.checkpoint import CheckpointManager
+from moeflow.train.data import BatchSampler, load_tokens, split_tokens, val_batches
+from moeflow.train.distributed import DistInfo, all_reduce_sum, init_distributed
+from moeflow.train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_mb
+from moeflow.train.optim import build_optimizer, build_scheduler
+from moeflow.train.tokenizer import load_tokenizer
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+@dataclass
+class Setup:
+    """What one rank trains with, built before the first step."""
+
+    info: DistInfo
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    sampler: BatchSampler
+    val: list
+    micro_batch: int
+    accum: int
+    layout: str
+
+
+def check_layout(cfg: JobConfig, world: int) -> tuple[int, int]:
+    """(dp_rank count, micro-batch) after validating the parallel sizes against the world size."""
+    p = cfg.parallel
+    for key in ("tp", "pp", "ep", "dp_replicate"):
+        if getattr(p, key) != 1:
+            raise ValueError(
+                f"parallel.{key} = {getattr(p, key)} is not supported by this trainer yet (only data "
+                f"parallelism with FSDP2 is); set --parallel.{key}=1"
+            )
+    dp = world if p.dp_shard == -1 else p.dp_shard
+    if dp != world:
+        raise ValueError(
+            f"parallel.dp_shard ({p.dp_shard}) times the other parallel sizes must equal the world size "
+            f"({world}); use --parallel.dp_shard=-1 (the rest) or {world}"
+        )
+    t = cfg.training
+    if t.global_batch % dp:
+        raise ValueError(
+            f"training.global_batch ({t.global_batch}) must be divisible by the data-parallel size ({dp}); "
+            f"use a multiple of {dp}"
+        )
+    per_rank = t.global_batch // dp
+    micro = t.micro_batch or per_rank
+    if per_rank % micro:
+        raise ValueError(
+            f"training.micro_batch ({micro}) must divide the per-rank batch ({per_rank} = global_batch / {dp})"
+        )
+    if p.zero == 1 and world > 1:
+        raise ValueError("parallel.zero = 1 is not supported by this trainer yet; use --parallel.zero=2 or 3")
+    return dp, micro
+
+
+def build(cfg: JobConfig, info: DistInfo) -> Setup:
+    t, d = cfg.training, cfg.data
+    dp, micro = check_layout(cfg, info.world_size)
+    torch.manual_seed(t.seed)
+
+    tokenizer = load_tokenizer(d.tokenizer, None if d.source == "stdlib" else d.source)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
+            f"set --model.vocab_size={tokenizer.vocab_size} or more"
+        )
+    tokens = load_tokens(d.source, tokenizer, token_dtype=d.token_dtype, vocab_size=cfg.model.vocab_size,
+                         max_bytes=d.max_bytes)
+    train_tokens, val_tokens = split_tokens(tokens, d.val_fraction, d.seq_len)
+    sampler = BatchSampler(train_tokens, d.seq_len, t.global_batch, info.rank, dp, t.seed)
+    val = val_batches(val_tokens, d.seq_len, t.global_batch, cfg.eval.batches)
+
+    model = Transformer(cfg.model)
+    model.init_weights(seed=t.seed)  # identical on every rank before sharding
+    apply_activation_checkpointing(model.layers, t.activation_checkpointing)
+    model.to(info.device)
+    layout = "1 process"
+    if info.world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from moeflow.parallel.data import apply_fsdp
+
+        mesh = init_device_mesh(info.device.type, (dp,), mesh_dim_names=("dp_shard",))
+        apply_fsdp(model, mesh, zero=cfg.parallel.zero)
+        layout = f"{dp} ranks, FSDP2 (ZeRO-{cfg.parallel.zero})"
+    accum = t.global_batch // dp // micro
+    for _, router in model.moe_routers():
+        router.aux_loss_scale = 1.0 / accum  # the aux loss is per micro-batch, like the main loss
+    optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2))
+    scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
+    return Setup(info, model, optimizer, scheduler, sampler, val, micro, accum, layout)
+
+
+def _autocast(cfg: JobConfig, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.training.dtype == "bf16")
+
+
+def _set_grad_sync(model, enabled: bool) -> None:
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: skip the reduce-scatter between micro-batches
+        model.set_requires_gradient_sync(enabled)
+
+
+def train_step(cfg: JobConfig, s: Setup) -> dict:
+    """One optimizer step. Returns plain numbers (after one all-reduce of loss and expert load)."""
+    model, routers = s.model, s.model.moe_routers()
+    model.train()
+    inputs, targets = s.sampler.next_batch()
+    inputs, targets = inputs.to(s.info.device), targets.to(s.info.device)
+    loss_sum = torch.zeros((), device=s.info.device)
+    loads = [torch.zeros(r.cfg.num_experts, device=s.info.device) for _, r in routers]
+    dropped = torch.zeros(max(1, len(routers)), device=s.info.device)
+    for m in range(s.accum):
+        rows = slice(m * s.micro_batch, (m + 1) * s.micro_batch)
+        _set_grad_sync(model, m == s.accum - 1)
+        with _autocast(cfg, s.info.device):
+            logits = model(inputs[rows])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets[rows].flatten())
+        (loss / s.accum).backward()
+        loss_sum += loss.detach() / s.accum
+        for i, (_, r) in enumerate(routers):  # read right after forward: recomputation rewrites it
+            loads[i] += r.last_load
+            dropped[i] += r.last_dropped
+    clip = cfg.training.grad_clip if cfg.training.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    # One all-reduce for everything logged; its .tolist() is the step's one host sync, needed anyway
+    # for the non-finite check (every rank must take the same decision) and the progress bar.
+    packed = all_reduce_sum(torch.cat([loss_sum.view(1), dropped, *loads]))
+    numbers = packed.tolist()
+    loss_value = numbers[0] / s.info.world_size
+    gn = float(grad_norm)
+    finite = math.isfinite(loss_value) and math.isfinite(gn)
+    step = s.scheduler.last_epoch + 1
+    if not finite and cfg.training.on_nonfinite == "stop":
+        raise NonFiniteLossError(
+            f"loss is {loss_value} (grad norm {gn}) at step {step}; lower training.lr, enable "
+            f"training.grad_clip, or set --training.on_nonfinite=skip to drop such steps"
+        )
+    lr = s.scheduler.get_last_lr()[0]
+    if finite:
+        s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    s.scheduler.step()
+    out = {"loss": loss_value, "lr": lr, "grad_norm": gn, "skipped": not finite}
+    if routers:
+        global_loads = packed[1 + len(dropped):].view(len(routers), -1)
+        for (_, r), load_E in zip(routers, global_loads):
+            r.update_bias(load_E)
+        out["moe"] = _moe_stats(routers, global_loads, numbers[1 : 1 + len(routers)], cfg, s)
+    return out
+
+
+def _moe_stats(routers, loads_LE, dropped, cfg, s) -> dict:
+    k = routers[0][1].cfg.top_k
+    assignments = cfg.training.global_batch * cfg.data.seq_len * k
+    stats = {}
+    for (name, r), load_E, drop in zip(routers, loads_LE, dropped):
+        layer = name.split(".")[1]
+        stats[layer] = {
+            "tokens_per_expert": [int(x) for x in load_E.tolist()],
+            "max_over_mean": float(load_E.max() / load_E.mean().clamp(min=1e-9)),
+            "dropped_fraction": drop / assignments,
+            "router_bias": [round(b, 5) for b in r.expert_bias.tolist()],
+        }
+    return stats
+
+
+@torch.no_grad()
+def evaluate(cfg: JobConfig, s: Setup) -> float | None:
+    """Mean validation loss; each rank scores its rows of every batch and the sums are all-reduced."""
+    if not s.val:
+        return None
+    s.model.eval()
+    total = torch.zeros(2, device=s.info.device)
+    for inputs, targets in s.val:
+        n = inputs.shape[0]
+        lo, hi = s.info.rank * n // s.info.world_size, (s.info.rank + 1) * n // s.info.world_size
+        with _autocast(cfg, s.info.device):
+            logits = s.model(inputs[lo:hi].to(s.info.device))
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets[lo:hi].to(s.info.device).flatten(),
+                               reduction="sum")
+        total += torch.stack([loss, torch.tensor(float(targets[lo:hi].numel()), device=s.info.device)])
+    total = all_reduce_sum(total)
+    return float(total[0] / total[1])
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop metrics lines logged after the checkpoint (they will be logged again)."""
+    if path.is_file():
+        lines = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= last_step]
+        path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: bool = True) -> dict:
+    """Train; resume from the newest complete checkpoint in run_dir unless `fresh`.
+    `resume=True` makes a missing checkpoint an error. Returns the summary (also in summary.json)."""
+    info = init_distributed(cfg.training.device)
+    s = build(cfg, info)
+    run_dir = Path(cfg.run_dir)
+    ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, info.rank)
+    start = 0
+    resume_from = None if fresh else ckpt.find_resume()
+    if resume and resume_from is None:
+        raise ValueError(f"--resume: no complete checkpoint under {run_dir}/checkpoints; drop --resume to start")
+    if resume_from is not None:
+        extra = ckpt.load(resume_from, s.model, s.optimizer)
+        start = extra["step"]
+        s.scheduler.load_state_dict(extra["scheduler"])
+        s.sampler.load_state_dict(extra["sampler"])
+        if info.is_main:
+            _truncate_metrics(run_dir / "metrics.jsonl", start)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+    logger = MetricsLogger(run_dir, info.is_main, cfg.metrics.tensorboard)
+
+    t = cfg.training
+    stop = min(t.steps, t.stop_at) if t.stop_at > 0 else t.steps
+    tokens_per_step = t.global_batch * cfg.data.seq_len
+    flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
+    peak = peak_flops_per_device(info.device, t.dtype)
+    first_loss = last_loss = val_loss = None
+    last_ckpt = resume_from
+    bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", disable=not (info.is_main and progress),
+               dynamic_ncols=True)
+    t_start = time.perf_counter()
+    t_window, steps_window = t_start, 0
+    tokens_per_s = 0.0
+    for step in range(start + 1, stop + 1):
+        out = train_step(cfg, s)
+        steps_window += 1
+        first_loss = out["loss"] if first_loss is None else first_loss
+        last_loss = out["loss"]
+        is_last = step == stop
+        if cfg.eval.every and step % cfg.eval.every == 0 or is_last:
+            val_loss = evaluate(cfg, s)
+        if step % cfg.metrics.log_every == 0 or is_last:
+            now = time.perf_counter()
+            tokens_per_s = steps_window * tokens_per_step / (now - t_window)
+            t_window, steps_window = now, 0
+            record = {
+                "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
+                "tokens_per_s": tokens_per_s,
+                "mfu": tokens_per_s * flops_per_token / (peak * info.world_size) if peak else "unknown",
+                "peak_memory_mb": peak_memory_mb(info.device),
+            }
+            if out["skipped"]:
+                record["skipped"] = True
+            if val_loss is not None and (cfg.eval.every and step % cfg.eval.every == 0 or is_last):
+                record["val_loss"] = val_loss
+            if "moe" in out:
+                record["moe"] = out["moe"]
+            logger.log(step, record)
+        if cfg.checkpoint.enabled and (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or is_last):
+            extra = {"step": step, "scheduler": s.scheduler.state_dict(), "sampler": s.sampler.state_dict()}
+            last_ckpt = ckpt.save(step, s.model, s.optimizer, extra)
+        bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.1e}", tok_s=f"{tokens_per_s:,.0f}")
+        bar.update(1)
+    bar.close()
+    logger.close()
+    elapsed = time.perf_counter() - t_start
+    summary = {
+        "model": cfg.model.name, "params": cfg.model.num_params(), "active_params": cfg.model.num_active_params(),
+        "layout": s.layout, "steps": stop, "start_step": start, "first_loss": first_loss,
+        "final_loss": last_loss, "val_loss": val_loss,
+        "tokens_per_s": (stop - start) * tokens_per_step / elapsed if stop > start else 0.0,
+        "elapsed_s": elapsed, "checkpoint": str(last_ckpt) if last_ckpt else None,
+        "metrics": str(run_dir / "metrics.jsonl"), "tensorboard": str(run_dir / "tb"),
+        "mfu": "unknown" if not peak else None,
+    }
+    if info.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
