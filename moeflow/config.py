@@ -252,7 +252,7 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
     i = 0
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+        if not arg.startswith("--"):
             raise ValueError(f"unexpected argument {arg!r}; settings look like --section.key=value")
         if "=" in arg:
             key, value = arg[2:].split("=", 1)

@@ -1,0 +1,71 @@
+"""Config: keys, types, files, overrides, and the messages bad input gets."""
+
+import dataclasses
+
+import pytest
+
+from moeflow.config import JobConfig, all_keys, field_docs, load_config, parse_overrides, to_toml
+
+
+def test_every_setting_has_a_docstring():
+    missing = [k for k, (_, doc) in all_keys().items() if not doc]
+    assert missing == []
+
+
+def test_toml_then_overrides_take_precedence(tmp_path):
+    f = tmp_path / "job.toml"
+    f.write_text('[model]\nname = "tiny-dense"\n[training]\nsteps = 7\nlr = 0.5\n')
+    cfg = load_config(f, parse_overrides(["--training.lr=0.25", "--model.dim", "64"]))
+    assert cfg.model.name == "tiny-dense" and cfg.model.moe.num_experts == 0
+    assert (cfg.training.steps, cfg.training.lr, cfg.model.dim) == (7, 0.25, 64)
+
+
+def test_printed_config_loads_back_to_the_same_config(tmp_path):
+    cfg = load_config(None, parse_overrides(["--model.moe.capacity_factor=1.25", "--training.dtype=bf16"]))
+    f = tmp_path / "printed.toml"
+    f.write_text(to_toml(cfg))
+    assert dataclasses.asdict(load_config(f)) == dataclasses.asdict(cfg)
+
+
+def test_booleans_and_optional_values():
+    cfg = load_config(None, parse_overrides(["--metrics.tensorboard=false", "--model.moe.capacity_factor=none"]))
+    assert cfg.metrics.tensorboard is False and cfg.model.moe.capacity_factor is None
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.stepz=3"], r"unknown config key 'training.stepz'\. Did you mean 'training.steps'\?"),
+        (["--modle.dim=3"], r"unknown config key 'modle.dim'\. Did you mean 'model.dim'\?"),
+        (["--training.steps=ten"], r"training.steps expects int, got 'ten'"),
+        (["--training.lr=fast"], r"training.lr expects float, got 'fast'"),
+        (["--model.moe.top_k=9"], r"model.moe.top_k \(9\) must be between 1 and model.moe.num_experts \(8\)"),
+        (["--model.n_heads=3"], r"model.n_heads \(3\) must divide model.dim \(128\)"),
+        (["--model.n_kv_heads=3"], r"model.n_kv_heads \(3\) must divide model.n_heads \(4\)"),
+        (["--model.moe.n_group=3"], r"model.moe.num_experts \(8\) must split into model.moe.n_group \(3\)"),
+        (["--model.moe.n_group=2", "--model.moe.topk_group=4"],
+         r"model.moe.topk_group \(4\) must be between 1 and model.moe.n_group \(2\)"),
+        (["--model.name=tiny-mo"], r"model.name = 'tiny-mo' is not a preset\. Did you mean 'tiny-moe'\?"),
+        (["--training.dtype=fp16"], r"training.dtype = 'fp16' is not one of \['fp32', 'bf16'\]"),
+        (["--data.seq_len=1000"], r"data.seq_len \(1000\) exceeds model.max_seq_len \(256\)"),
+        (["--training.activation_checkpointing=some"], r"training.activation_checkpointing = 'some'"),
+        (["training.steps=3"], r"settings look like --section.key=value"),
+        (["--verbose"], r"--verbose needs a value"),
+    ],
+)
+def test_bad_settings_name_the_key_the_value_and_a_fix(args, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, parse_overrides(args))
+
+
+def test_missing_and_invalid_config_files(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training\nsteps = 1\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_field_docs_reads_the_string_under_each_field():
+    assert field_docs(JobConfig)["run_dir"].startswith("Where metrics")

@@ -1,0 +1,125 @@
+"""The trainer end to end: loss falls, resume is exact, checkpoints are atomic, bad input is refused."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from moeflow.config import load_config, parse_overrides
+from moeflow.train.trainer import NonFiniteLossError, train
+from tests.conftest import run_cli
+
+
+def _cfg(tiny_args, run_dir, *extra):
+    return load_config(None, parse_overrides([*tiny_args, f"--run_dir={run_dir}", *extra]))
+
+
+def _losses(run_dir):
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines}
+
+
+def test_loss_falls_and_outputs_are_written(tiny_args, tmp_path):
+    cfg = _cfg(tiny_args, tmp_path, "--training.steps=30", "--training.lr=1e-2", "--metrics.tensorboard=true",
+               "--eval.every=10")
+    summary = train(cfg, progress=False)
+    losses = _losses(tmp_path)
+    assert sorted(losses) == list(range(1, 31))
+    assert summary["final_loss"] < 0.75 * summary["first_loss"]
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("step", "loss", "lr", "tokens_per_s", "grad_norm", "val_loss", "peak_memory_mb", "moe"):
+        assert key in record
+    assert record["mfu"] == "unknown"  # a CPU has no entry in the peak-FLOPs table: never a guess
+    layer = record["moe"]["1"]
+    assert sum(layer["tokens_per_expert"]) == 4 * 16 * 2  # global batch x seq x top-k, nothing dropped
+    assert any(f.name.startswith("events.out.tfevents") for f in (tmp_path / "tb").iterdir())
+    assert (tmp_path / "checkpoints" / "step-30" / "COMPLETE.json").is_file()
+
+
+def test_resume_gives_exactly_the_uninterrupted_losses(tiny_args, tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(_cfg(tiny_args, full, "--training.steps=12"), progress=False)
+    first = train(_cfg(tiny_args, split, "--training.steps=12", "--training.stop_at=6"), progress=False)
+    assert first["steps"] == 6
+    resumed = train(_cfg(tiny_args, split, "--training.steps=12"), resume=True, progress=False)
+    assert resumed["start_step"] == 6
+    assert _losses(split) == _losses(full)  # fp32, same layout: bit-for-bit equal
+
+
+def test_incomplete_and_corrupted_checkpoints_are_refused(tiny_args, tmp_path):
+    cfg = _cfg(tiny_args, tmp_path, "--training.steps=6", "--checkpoint.every=2", "--checkpoint.keep=3")
+    train(cfg, progress=False)
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-2", "step-4", "step-6"]
+    # step-6: a shard truncated (corrupted); step-4: the manifest never written (incomplete).
+    shard = next(f for f in (ckpts / "step-6").iterdir() if f.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:10])
+    (ckpts / "step-4" / "COMPLETE.json").unlink()
+    with pytest.warns(UserWarning, match="refusing checkpoint .*step-6.*bytes, the manifest says"):
+        summary = train(_cfg(tiny_args, tmp_path, "--training.steps=8"), progress=False)
+    assert summary["start_step"] == 2
+
+
+def test_resume_flag_without_a_checkpoint_is_an_error(tiny_args, tmp_path):
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        train(_cfg(tiny_args, tmp_path, "--training.steps=1"), resume=True, progress=False)
+
+
+def test_nonfinite_loss_stops_with_the_step_or_is_skipped(tiny_args, tmp_path):
+    # An absurd learning rate without clipping overflows the weights after the first update.
+    blowup = ["--training.steps=4", "--training.lr=1e30", "--training.grad_clip=0", "--training.warmup_steps=0"]
+    with pytest.raises(NonFiniteLossError, match="at step 2"):
+        train(_cfg(tiny_args, tmp_path / "stop", *blowup), progress=False)
+    summary = train(_cfg(tiny_args, tmp_path / "skip", *blowup, "--training.on_nonfinite=skip"), progress=False)
+    records = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 4 and [r.get("skipped", False) for r in records] == [False, True, True, True]
+
+
+def test_data_errors_reach_the_user_as_one_line(tiny_args, tmp_path):
+    out = run_cli(["train", *tiny_args, f"--run-dir={tmp_path}", f"--data.source={tmp_path}/missing.txt"])
+    assert out.returncode == 2
+    assert "data.source" in out.stderr and "Traceback" not in out.stderr
+    binary = tmp_path / "tokens.bin"
+    binary.write_bytes(bytes([1, 0, 255, 3]))  # uint16 ids 1 and 1023: 1023 >= vocab 256
+    out = run_cli(["train", *tiny_args, f"--run-dir={tmp_path}", f"--data.source={binary}"])
+    assert out.returncode == 2 and "vocab" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_two_processes_train_and_match_one(tiny_args, tmp_path):
+    """`moeflow train --nproc-per-node 2` (FSDP2 over gloo) takes the same steps as one process."""
+    args = ["train", *tiny_args, "--training.steps=3", "--no-progress"]
+    one = run_cli([*args, f"--run-dir={tmp_path / 'one'}"])
+    two = run_cli([*args, f"--run-dir={tmp_path / 'two'}", "--nproc-per-node", "2"])
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    assert "FSDP2" in two.stdout and "summary" in two.stdout
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert a.keys() == b.keys()
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5)
+
+
+def test_more_processes_than_cores_warns(tiny_args, tmp_path):
+    nproc = (os.cpu_count() or 1) + 1
+    if nproc > 4:
+        pytest.skip("only checked on small machines (it starts cores + 1 processes)")
+    out = run_cli(["train", *tiny_args, "--training.steps=1", "--no-progress", "--checkpoint.enabled=false",
+                   f"--training.global_batch={nproc * 2}", f"--run-dir={tmp_path}", "--nproc-per-node", str(nproc)])
+    assert f"--nproc-per-node {nproc} is more than the" in out.stderr
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_print_config_and_help(tiny_args):
+    out = run_cli(["train", *tiny_args, "--print-config"])
+    assert out.returncode == 0 and 'name = "tiny-moe"' in out.stdout and "[model.moe]" in out.stdout
+    out = run_cli(["train", "--help-config"])
+    assert "--training.steps=<int>" in out.stdout and "Optimizer steps" in out.stdout
+    out = run_cli(["info"])
+    assert out.returncode == 0 and "gloo" in out.stdout
+
+
+def test_unknown_key_on_the_command_line(tmp_path):
+    out = run_cli(["train", "--trainin.steps=3", f"--run-dir={tmp_path}"])
+    assert out.returncode == 2 and "Did you mean 'training.steps'" in out.stderr
+    shutil.rmtree(tmp_path, ignore_errors=True)
