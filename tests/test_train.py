@@ -123,3 +123,24 @@ def test_unknown_key_on_the_command_line(tmp_path):
     out = run_cli(["train", "--trainin.steps=3", f"--run-dir={tmp_path}"])
     assert out.returncode == 2 and "Did you mean 'training.steps'" in out.stderr
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_accumulation_and_recomputation_do_not_change_the_step(tiny_args, tmp_path):
+    """micro-batches of 1 with 4 accumulation steps, and full activation checkpointing, train the same
+    steps as one micro-batch of 4 without recomputation (fp32, to rounding)."""
+    base = ["--training.steps=3", "--checkpoint.enabled=false"]
+    plain = train(_cfg(tiny_args, tmp_path / "a", *base), progress=False)
+    accum = train(_cfg(tiny_args, tmp_path / "b", *base, "--training.micro_batch=1"), progress=False)
+    recompute = train(_cfg(tiny_args, tmp_path / "c", *base, "--training.activation_checkpointing=full"),
+                      progress=False)
+    a, b, c = _losses(tmp_path / "a"), _losses(tmp_path / "b"), _losses(tmp_path / "c")
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5)
+        assert c[step] == a[step]
+    assert plain["final_loss"] == recompute["final_loss"] and accum["final_loss"] == pytest.approx(plain["final_loss"])
+
+
+def test_bf16_autocast_trains(tiny_args, tmp_path):
+    summary = train(_cfg(tiny_args, tmp_path, "--training.steps=8", "--training.dtype=bf16", "--training.lr=1e-2",
+                         "--checkpoint.enabled=false"), progress=False)
+    assert summary["final_loss"] < summary["first_loss"]
