@@ -1,0 +1,205 @@
+"""`moeflow plan`: rank parallel layouts for a model on a cluster, with reasons.
+
+`main(argv)` is what `moeflow plan ...` calls (argv after the word 'plan'); also `python -m moeflow.plan.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from moeflow.models.config import ModelConfig, MoEConfig
+from moeflow.models.presets import get_preset
+from moeflow.plan.advice import advise
+from moeflow.plan.hardware import GPUS, get_gpu
+from moeflow.plan.layout import Job
+from moeflow.plan.search import Constraints, search, shortfall_message
+
+ASSUMPTIONS = [
+    "compute at peak x efficiency, efficiency falling for small per-GPU micro-batches",
+    "TP, EP and PP point-to-point communication are not overlapped with compute",
+    "DP/ZeRO communication overlaps backward compute; only the excess is exposed",
+    "EP traffic from uniform routing with per-rank dedup inside a node, per-node dedup across nodes",
+    "bf16 weights and grads, fp32 AdamW state (16 bytes/param before sharding); fp8 changes only FLOP/s",
+    "optimizer step and data loading time not modelled",
+]
+
+
+def load_model(spec: str) -> ModelConfig:
+    """A preset name, a moeflow TOML ([model] and [model.moe] tables) or a Hugging Face config.json."""
+    if spec.endswith(".json"):
+        from moeflow.plan.hf_config import load_hf_config
+
+        if not os.path.exists(spec):
+            raise ValueError(f"--model {spec!r}: no such file; pass an existing config.json or a preset name")
+        return load_hf_config(spec)
+    if spec.endswith(".toml"):
+        import tomllib
+
+        if not os.path.exists(spec):
+            raise ValueError(f"--model {spec!r}: no such file; pass an existing TOML or a preset name")
+        with open(spec, "rb") as f:
+            data = tomllib.load(f)
+        table = dict(data.get("model", data))
+        if "name" in table and len(table) == 1:
+            return get_preset(table["name"])
+        moe = MoEConfig(**table.pop("moe")) if "moe" in table else MoEConfig(num_experts=0)
+        try:
+            return ModelConfig(**table, moe=moe).validate()
+        except TypeError as e:
+            raise ValueError(f"--model {spec!r}: {e}; use ModelConfig field names in [model]") from None
+    return get_preset(spec)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moeflow plan",
+        description="Predict memory and step time of every parallel layout (dp_replicate, dp_shard, tp, pp, "
+        "ep, ZeRO stage, micro-batch, activation checkpointing) and rank them by tokens/s per GPU.",
+    )
+    p.add_argument("--model", required=True,
+                   help="preset name (e.g. deepseek-v3, llama3-8b), a moeflow TOML with a [model] table, or a "
+                   "Hugging Face config.json (llama, qwen3, qwen3_moe, mixtral, olmoe, deepseek_v3)")
+    p.add_argument("--gpu", help=f"accelerator type: {', '.join(GPUS)} (required unless --calibrate)")
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--global-batch-tokens", type=int, default=4 * 1024 * 1024,
+                   help="tokens per optimizer step across the cluster, a multiple of --seq-len (default 4Mi)")
+    p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
+                   help="matmul precision: sets the peak FLOP/s used (default bf16)")
+    p.add_argument("--intra-gbps", type=float, help="override the intra-node GB/s per GPU per direction")
+    p.add_argument("--inter-gbps", type=float, help="override the inter-node GB/s per GPU per direction")
+    p.add_argument("--efficiency", type=float, help="override the fraction of peak FLOP/s reached (0-1]")
+    for dim in ("tp", "pp", "ep", "zero"):
+        p.add_argument(f"--{dim}", type=int, help=f"pin {dim} to this value instead of searching it")
+    p.add_argument("--top", type=int, default=5, help="feasible layouts to show (default 5)")
+    p.add_argument("--infeasible", type=int, default=3, help="close infeasible layouts to show (default 3)")
+    p.add_argument("--json", action="store_true", help="print JSON (key 'layouts') instead of a table")
+    p.add_argument("--png", help="write a chart of the top layouts' throughput and memory to this path")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (matmul FLOP/s, 2-process gloo all-reduce) and plan for a "
+                   "'cpu-calibrated' device; --gpus-per-node then counts processes")
+    return p
+
+
+def plan(job: Job, cons: Constraints | None = None, top: int = 5, infeasible: int = 3) -> dict:
+    """Search and summarise; ValueError when nothing fits (with the memory shortfall)."""
+    results = search(job, cons)
+    ok = [r for r in results if r.feasible]
+    if not ok:
+        raise ValueError(shortfall_message(job, results))
+    bad = [r for r in results if not r.feasible and r.time][:infeasible]
+    adv = advise(job, ok[0])
+    cfg = job.model
+    return {
+        "job": {"model": cfg.name, "params": cfg.num_params(), "active_params": cfg.num_active_params(),
+                "gpu": job.gpu.name, "nodes": job.nodes, "gpus_per_node": job.gpus_per_node,
+                "seq_len": job.seq_len, "global_batch_tokens": job.global_batch_tokens,
+                "precision": job.precision},
+        "hardware": {"memory_gb": job.gpu.memory_gb, "peak_tflops": job.gpu.peak_flops(job.precision) / 1e12,
+                     "efficiency": job.gpu.efficiency, "intra_gbps": job.intra, "inter_gbps": job.inter,
+                     "source": job.gpu.source},
+        "searched": len(results),
+        "feasible": len(ok),
+        "layouts": [r.as_dict() for r in ok[:top] + bad],
+        "recommendation": {"family": adv.family, "tools": adv.tools, "text": adv.text},
+        "assumptions": ASSUMPTIONS,
+    }
+
+
+def format_table(out: dict) -> str:
+    j = out["job"]
+    lines = [
+        f"{j['model']} ({j['params'] / 1e9:.1f}B total, {j['active_params'] / 1e9:.1f}B active) on "
+        f"{j['nodes']}x{j['gpus_per_node']} {j['gpu']}, seq {j['seq_len']}, {j['global_batch_tokens']} tokens/step, "
+        f"{j['precision']}; {out['searched']} layouts searched, {out['feasible']} fit",
+        "",
+        f"{'#':>3} {'dp_rep':>6} {'dp_sh':>5} {'tp':>3} {'pp':>3} {'ep':>4} {'zero':>4} {'mb':>3} {'ac':>9} "
+        f"{'mem GB':>7} {'(p/g/o/act)':>22} {'tok/s/GPU':>10} {'MFU':>5} {'step s':>7} {'bubble':>6}",
+    ]
+    for i, r in enumerate(out["layouts"]):
+        m, t = r["memory_gb"], r["time_s"]
+        parts = f"{m['params']:.1f}/{m['grads']:.1f}/{m['optimizer']:.1f}/{m['activations']:.1f}"
+        mark = f"{i + 1:>3}" if r["feasible"] else "  x"
+        lines.append(
+            f"{mark} {r['dp_replicate']:>6} {r['dp_shard']:>5} {r['tp']:>3} {r['pp']:>3} {r['ep']:>4} "
+            f"{r['zero']:>4} {r['micro_batch']:>3} {r['activation_checkpointing']:>9} {m['total']:>7.1f} "
+            f"{parts:>22} {r['tokens_per_s_per_gpu']:>10.0f} {r['mfu']:>5.1%} {t.get('step_s', 0):>7.2f} "
+            f"{t.get('bubble_fraction', 0):>6.1%}"
+        )
+        if not r["feasible"]:
+            lines.append(f"      infeasible: {r['reason']}")
+    lines += ["", "Recommendation: " + out["recommendation"]["text"], "",
+              "Assumptions: " + "; ".join(out["assumptions"]) + "."]
+    return "\n".join(lines)
+
+
+def write_png(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["layouts"]
+    labels = [f"tp{r['tp']} pp{r['pp']} ep{r['ep']} z{r['zero']}\nmb{r['micro_batch']} {r['activation_checkpointing']}"
+              for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = ["tab:blue" if r["feasible"] else "tab:gray" for r in rows]
+    ax1.bar(range(len(rows)), [r["tokens_per_s_per_gpu"] for r in rows], color=colors)
+    ax1.set_ylabel("tokens/s per GPU (gray: does not fit)")
+    bottom = [0.0] * len(rows)
+    for part in ("params", "grads", "optimizer", "activations", "ep_buffers", "zero3_gather", "reserved"):
+        vals = [r["memory_gb"][part] for r in rows]
+        ax2.bar(range(len(rows)), vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax2.axhline(out["hardware"]["memory_gb"], color="k", ls="--", label="GPU memory")
+    ax2.set_ylabel("GB per GPU")
+    ax2.legend(fontsize=7)
+    for ax in (ax1, ax2):
+        ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=60)
+    j = out["job"]
+    fig.suptitle(f"moeflow plan: {j['model']} on {j['nodes']}x{j['gpus_per_node']} {j['gpu']}")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_model(args.model)
+        if args.calibrate:
+            from moeflow.plan.calibrate import calibrate
+
+            gpu = calibrate(args.gpus_per_node)
+        elif not args.gpu:
+            raise ValueError(f"--gpu is required (one of {', '.join(GPUS)}), or pass --calibrate")
+        else:
+            gpu = get_gpu(args.gpu)
+        if args.efficiency is not None:
+            if not 0 < args.efficiency <= 1:
+                raise ValueError(f"--efficiency ({args.efficiency}) must be in (0, 1]; e.g. 0.4")
+            from dataclasses import replace
+
+            gpu = replace(gpu, efficiency=args.efficiency)
+        job = Job(cfg, gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch_tokens,
+                  args.precision, args.intra_gbps, args.inter_gbps)
+        cons = Constraints(args.tp, args.pp, args.ep, args.zero)
+        out = plan(job, cons, args.top, args.infeasible)
+    except ValueError as e:
+        print(f"moeflow plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out, indent=1) if args.json else format_table(out))
+    if args.png:
+        write_png(out, args.png)
+        if not args.json:
+            print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The job being planned and one candidate parallel layout (plain dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import cached_property
+
+from moeflow.models.config import ModelConfig
+from moeflow.plan.hardware import GPU
+
+AC_MODES = ("none", "selective", "full")
+
+
+class ModelStats:
+    """Per-layer counts computed once per job (the search scores tens of thousands of layouts)."""
+
+    def __init__(self, cfg: ModelConfig, seq_len: int):
+        moe = cfg.moe
+        self.cache: dict = {}  # stage sums keyed by (first layer, end layer, has embedding, has head)
+        self.routed = [moe.num_experts * 3 * cfg.dim * moe.ffn_dim if cfg.is_moe_layer(i) else 0
+                       for i in range(cfg.n_layers)]
+        self.layer = [cfg.layer_params(i) for i in range(cfg.n_layers)]
+        self.mlp_width = [moe.top_k * moe.ffn_dim + moe.shared_width if cfg.is_moe_layer(i) else cfg.ffn_dim
+                          for i in range(cfg.n_layers)]
+        self.is_moe = [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
+        self.flops_per_token = cfg.flops_per_token(seq_len)
+        n_matmul = cfg.num_active_params() - cfg.vocab_size * cfg.dim * (1 - cfg.tie_embeddings) - cfg.dim
+        self.attn_flops_per_token = self.flops_per_token - 6.0 * n_matmul  # the attention-score term
+        # routed-expert matmuls run as grouped GEMMs whose row count is tokens per expert, not per GPU
+        self.routed_flops_per_token = 6.0 * moe.top_k * 3 * cfg.dim * moe.ffn_dim * sum(self.is_moe)
+
+
+@dataclass
+class Job:
+    model: ModelConfig
+    gpu: GPU
+    nodes: int
+    gpus_per_node: int
+    seq_len: int
+    global_batch_tokens: int
+    precision: str = "bf16"
+    intra_gbps: float | None = None
+    inter_gbps: float | None = None
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @cached_property
+    def stats(self) -> ModelStats:
+        return ModelStats(self.model, self.seq_len)
+
+    @property
+    def intra(self) -> float:
+        return self.intra_gbps or self.gpu.intra_gbps
+
+    @property
+    def inter(self) -> float:
+        return self.inter_gbps or self.gpu.inter_gbps
+
+    def validate(self) -> Job:
+        for key in ("nodes", "gpus_per_node", "seq_len", "global_batch_tokens"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"--{key.replace('_', '-')} must be positive, got {getattr(self, key)}")
+        if self.global_batch_tokens % self.seq_len:
+            raise ValueError(
+                f"--global-batch-tokens ({self.global_batch_tokens}) must be a multiple of --seq-len "
+                f"({self.seq_len}); use {self.global_batch_tokens // self.seq_len * self.seq_len or self.seq_len}"
+            )
+        seqs = self.global_batch_tokens // self.seq_len
+        if seqs < self.world:
+            # every GPU group needs at least one sequence unless tp/pp absorb the difference; only say so
+            # when even the deepest model split cannot use all GPUs
+            max_split = self.gpus_per_node * self.model.n_layers
+            if seqs * max_split < self.world:
+                raise ValueError(
+                    f"--global-batch-tokens ({self.global_batch_tokens}) is {seqs} sequences of {self.seq_len}, "
+                    f"too few for {self.world} GPUs; raise it to at least "
+                    f"{self.world // max_split * self.seq_len} or use fewer --nodes"
+                )
+        self.gpu.peak_flops(self.precision)  # raises for fp8 on a part without fp8
+        return self
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    ep: int
+    zero: int
+    micro_batch: int
+    activation_checkpointing: str
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def num_micro_batches(self, job: Job) -> int:
+        """Micro-batches per step per pipeline: global batch = dp * m * micro_batch * seq_len."""
+        seqs_per_replica, rem = divmod(job.global_batch_tokens // job.seq_len, self.dp * self.micro_batch)
+        return 0 if rem else seqs_per_replica
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def short(self) -> str:
+        return (f"dp{self.dp_replicate}x{self.dp_shard} tp{self.tp} pp{self.pp} ep{self.ep} "
+                f"z{self.zero} mb{self.micro_batch} ac={self.activation_checkpointing}")

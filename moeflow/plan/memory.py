@@ -1,0 +1,128 @@
+"""Bytes per GPU of one layout: parameters, gradients, optimizer state, activations, EP buffers.
+
+Model state (ZeRO, Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", sec. 3.1 and 5.1, Fig. 1): mixed-precision AdamW keeps 2 bytes/param of bf16
+weights (2Ψ), 2 bytes of bf16 gradients (2Ψ) and K=12 bytes of optimizer state (fp32 master weights,
+momentum, variance: 12Ψ). ZeRO-1 shards the 12Ψ over the data-parallel group N_d, ZeRO-2 also the
+gradients, ZeRO-3 also the weights. Here the sharding group is dp_shard (dp_replicate copies it: HSDP);
+expert weights are split over ep and their data-parallel group is dp_shard / ep.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+sec. 4, Table 2), bytes per layer per micro-batch with tensor + sequence parallelism of size t:
+  none       s*b*h*(34 + 5*a*s/h) / t
+  selective  s*b*h*34 / t          (recompute the attention core; what flash attention also does)
+  full       s*b*h*2 / t           (keep only each layer's input)
+The 34 = 11 (attention) + 4 (norms) + 19 (MLP with width 4h). The MLP part is rescaled to the FFN width
+a token actually touches (dense ffn_dim, or top_k * expert width + shared width): 2 + 17 * F_tok / (4h).
+With 1F1B pipelining stage i holds min(pp - i, m) micro-batches in flight (sec. 4.2.3).
+"""
+
+from __future__ import annotations
+
+from moeflow.models.config import ModelConfig
+from moeflow.plan.hardware import RESERVED_GB
+from moeflow.plan.layout import Job, Layout
+
+GB = 1e9
+
+
+def stage_layers(n_layers: int, pp: int) -> list[range]:
+    """Contiguous, balanced layer ranges per pipeline stage."""
+    bounds = [round(i * n_layers / pp) for i in range(pp + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(pp)]
+
+
+def stage_params(job: Job, layers: range, first: bool, last: bool) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameters of one pipeline stage (whole, before any split)."""
+    cfg, st = job.model, job.stats
+    key = (layers.start, layers.stop, first, last)
+    if key in st.cache:
+        return st.cache[key]
+    expert = sum(st.routed[i] for i in layers)
+    dense = sum(st.layer[i] for i in layers) - expert
+    emb = cfg.vocab_size * cfg.dim
+    if first:
+        dense += emb
+    if last:
+        dense += cfg.dim + (emb if not cfg.tie_embeddings or not first else 0)
+    st.cache[key] = dense, expert
+    return dense, expert
+
+
+def model_state_bytes(dense: float, expert: float, lay: Layout) -> dict[str, float]:
+    """Per-GPU bf16 weights, bf16 grads and fp32 AdamW state (ZeRO 2Ψ/2Ψ/12Ψ) of one stage's params."""
+    d_local = dense / lay.tp
+    e_local = expert / (lay.ep * lay.tp)
+    e_shard = max(1, lay.dp_shard // lay.ep)  # expert data-parallel group inside dp_shard
+    shard = lambda stage_on: (d_local / lay.dp_shard + e_local / e_shard) if stage_on else d_local + e_local
+    return {
+        "params": 2 * shard(lay.zero >= 3),
+        "grads": 2 * shard(lay.zero >= 2),
+        "optimizer": 12 * shard(lay.zero >= 1),
+    }
+
+
+def layer_activation_bytes(cfg: ModelConfig, mlp_width: int, seq: int, mb: int, tp: int, ac: str) -> float:
+    """Korthikanti et al. 2022 Table 2 (see module doc), one layer, one micro-batch, per GPU.
+
+    `mlp_width` is the FFN width one token touches (ffn_dim, or top_k * expert width + shared width).
+    """
+    sbh = seq * mb * cfg.dim
+    if ac == "full":
+        return 2 * sbh / tp
+    mlp = 2 + 17 * mlp_width / (4 * cfg.dim)
+    per = sbh * (11 + 4 + mlp)
+    if ac == "none":
+        per += 5 * cfg.n_heads * seq * seq * mb  # attention scores + softmax + dropout mask
+    return per / tp
+
+
+def ep_buffer_bytes(cfg: ModelConfig, job: Job, lay: Layout) -> float:
+    """Receive buffers for dispatch and combine of one micro-batch, double-buffered.
+
+    Sized for T local tokens times min(K, ep) copies each (the average a rank receives under balanced
+    routing is at most that), bf16 rows for dispatch and for combine, times 2 so two micro-batches can
+    overlap (DeepEP sizes its buffers per call in the same spirit: num_nvl_bytes / num_rdma_bytes).
+    """
+    if lay.ep == 1 or not cfg.is_moe:
+        return 0.0
+    tokens = job.seq_len * lay.micro_batch / lay.tp
+    copies = tokens * min(cfg.moe.top_k, lay.ep)
+    return 2 * copies * cfg.dim * 2 * 2
+
+
+def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
+    """Memory in GB of the fullest pipeline stage, by part, plus 'total' and 'stage'."""
+    cfg, st = job.model, job.stats
+    m = max(1, lay.num_micro_batches(job))
+    ac = lay.activation_checkpointing
+    act_by_width = {w: layer_activation_bytes(cfg, w, job.seq_len, lay.micro_batch, lay.tp, ac)
+                    for w in set(st.mlp_width)}
+    best: dict[str, float] = {}
+    for i, layers in enumerate(stage_layers(cfg.n_layers, lay.pp)):
+        first, last = i == 0, i == lay.pp - 1
+        dense, expert = stage_params(job, layers, first, last)
+        parts = model_state_bytes(dense, expert, lay)
+        in_flight = min(lay.pp - i, m)
+        acts = sum(act_by_width[st.mlp_width[j]] for j in layers) * in_flight
+        if ac == "full" and len(layers):
+            # recomputing one layer needs its full working set once more
+            acts += layer_activation_bytes(cfg, st.mlp_width[layers[-1]], job.seq_len, lay.micro_batch,
+                                           lay.tp, "selective")
+        if last:
+            acts += 4 * job.seq_len * lay.micro_batch * cfg.vocab_size / lay.tp  # fp32 logits
+        parts["activations"] = acts
+        parts["ep_buffers"] = ep_buffer_bytes(cfg, job, lay)
+        if lay.zero >= 3 and len(layers):
+            # FSDP/ZeRO-3 gathers a layer's full weights, and prefetches the next one: 2 layers of bf16
+            big = max(st.layer[j] - st.routed[j] * (1 - 1 / lay.ep) for j in layers)
+            parts["zero3_gather"] = 2 * 2 * big / lay.tp
+        else:
+            parts["zero3_gather"] = 0.0
+        parts = {k: v / GB for k, v in parts.items()}
+        parts["reserved"] = RESERVED_GB
+        parts["total"] = sum(parts.values())
+        parts["stage"] = i
+        if not best or parts["total"] > best["total"]:
+            best = parts
+    return best

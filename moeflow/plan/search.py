@@ -1,0 +1,147 @@
+"""Enumerate layouts, score each with the memory and time model, rank them.
+
+A layout: world = dp_replicate * dp_shard * tp * pp; tp stays inside a node and divides n_heads;
+pp <= n_layers; ep divides num_experts and dp_shard (experts are sharded inside the ZeRO group, as
+TorchTitan borrows EP from dp_shard); zero 1/2/3 acts on dp_shard (with dp_shard = 1 only zero 1 is
+listed, it is plain replication); micro_batch and activation checkpointing fill the rest.
+Feasible = fits in memory and the global batch splits into whole micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moeflow.plan.layout import AC_MODES, Job, Layout
+from moeflow.plan.memory import memory_per_gpu
+from moeflow.plan.time import step_time
+
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def powers_of_two_upto(n: int) -> list[int]:
+    out, p = [], 1
+    while p <= n:
+        out.append(p)
+        p *= 2
+    return out
+
+
+@dataclass
+class Result:
+    layout: Layout
+    feasible: bool
+    memory_gb: dict
+    time: dict
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        d = self.layout.as_dict()
+        d.update(feasible=self.feasible, memory_gb=self.memory_gb,
+                 tokens_per_s_per_gpu=self.time.get("tokens_per_s_per_gpu", 0.0),
+                 mfu=self.time.get("mfu", 0.0), time_s=self.time, reason=self.reason)
+        return d
+
+
+@dataclass
+class Constraints:
+    """Sizes the user pinned (None = search). Contradictions raise ValueError in `check`."""
+
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+    zero: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def check(self, job: Job) -> None:
+        w, g = job.world, job.gpus_per_node
+        if self.tp is not None and (self.tp < 1 or self.tp > g or g % self.tp):
+            raise ValueError(f"--tp ({self.tp}) must divide --gpus-per-node ({g}); TP stays inside a node")
+        if self.pp is not None and (self.pp < 1 or w % self.pp or self.pp > job.model.n_layers):
+            raise ValueError(
+                f"--pp ({self.pp}) must divide the {w} GPUs and be <= n_layers ({job.model.n_layers})"
+            )
+        if self.tp and self.pp and w % (self.tp * self.pp):
+            raise ValueError(f"--tp ({self.tp}) x --pp ({self.pp}) must divide the {w} GPUs; lower one")
+        if self.ep is not None:
+            E = job.model.moe.num_experts
+            if self.ep > 1 and (not E or E % self.ep):
+                raise ValueError(
+                    f"--ep ({self.ep}) must divide the model's routed experts ({E}); "
+                    "use --ep 1 for a dense model"
+                )
+            if w % self.ep:
+                raise ValueError(f"--ep ({self.ep}) must divide the {w} GPUs")
+        if self.zero is not None and self.zero not in (1, 2, 3):
+            raise ValueError(f"--zero ({self.zero}) must be 1, 2 or 3")
+
+
+def candidates(job: Job, cons: Constraints | None = None):
+    cons = cons or Constraints()
+    cfg, w, g = job.model, job.world, job.gpus_per_node
+    tps = [t for t in powers_of_two_upto(g) if cfg.n_heads % t == 0 and g % t == 0]
+    pps = [p for p in powers_of_two_upto(min(cfg.n_layers, 64)) if w % p == 0]
+    E = cfg.moe.num_experts if cfg.is_moe else 1
+    for tp in tps if cons.tp is None else [cons.tp]:
+        for pp in pps if cons.pp is None else [cons.pp]:
+            if w % (tp * pp):
+                continue
+            dp = w // (tp * pp)
+            # dp_shard: the whole dp group (FSDP / ZeRO) or a power of two inside it (HSDP)
+            shards = sorted({d for d in powers_of_two_upto(dp) if dp % d == 0} | {dp})
+            for dp_shard in shards:
+                eps = [e for e in powers_of_two_upto(dp_shard) if E % e == 0 and dp_shard % e == 0]
+                for ep in eps if cons.ep is None else [cons.ep]:
+                    if dp_shard % ep:
+                        continue
+                    zeros = (1,) if dp_shard == 1 else (1, 2, 3)
+                    for zero in zeros if cons.zero is None else [cons.zero]:
+                        for mb in MICRO_BATCHES:
+                            for ac in AC_MODES:
+                                yield Layout(dp // dp_shard, dp_shard, tp, pp, ep, zero, mb, ac)
+
+
+def evaluate(job: Job, lay: Layout) -> Result:
+    mem = memory_per_gpu(job, lay)
+    m = lay.num_micro_batches(job)
+    if m == 0:
+        seqs = job.global_batch_tokens // job.seq_len
+        return Result(lay, False, mem, {}, f"the {seqs} sequences do not split into dp={lay.dp} x "
+                      f"micro_batch={lay.micro_batch} whole micro-batches")
+    t = step_time(job, lay)
+    cap = job.gpu.memory_gb
+    if mem["total"] > cap:
+        part = max((k for k in ("params", "grads", "optimizer", "activations")), key=lambda k: mem[k])
+        return Result(lay, False, mem, t, f"needs {mem['total']:.1f} GB > {cap:.0f} GB per GPU "
+                      f"(short by {mem['total'] - cap:.2f} GB; largest part: {part} {mem[part]:.1f} GB)")
+    return Result(lay, True, mem, t)
+
+
+def search(job: Job, cons: Constraints | None = None) -> list[Result]:
+    """All candidate layouts scored; feasible first by tokens/s/GPU, then infeasible by overshoot."""
+    job.validate()
+    if cons:
+        cons.check(job)
+    results = [evaluate(job, lay) for lay in candidates(job, cons)]
+    if not results:
+        raise ValueError(
+            "no layout matches the pinned sizes on this cluster; drop --tp/--pp/--ep/--zero or change "
+            "--nodes / --gpus-per-node"
+        )
+    ok = sorted((r for r in results if r.feasible), key=lambda r: -r.time["tokens_per_s_per_gpu"])
+    bad = sorted((r for r in results if not r.feasible and r.time),
+                 key=lambda r: (r.memory_gb["total"], -r.time.get("tokens_per_s_per_gpu", 0)))
+    return ok + bad
+
+
+def shortfall_message(job: Job, results: list[Result]) -> str:
+    """Why nothing fits: the smallest memory any layout needs vs what a GPU has."""
+    best = min(results, key=lambda r: r.memory_gb["total"])
+    need, cap = best.memory_gb["total"], job.gpu.memory_gb
+    if need <= cap:
+        return ("no layout fits: the global batch does not split into whole micro-batches for any layout; "
+                "make --global-batch-tokens a multiple of --seq-len x the number of GPUs")
+    return (
+        f"the cluster is too small for {job.model.name}: the leanest layout ({best.layout.short()}) needs "
+        f"{need:.1f} GB per GPU but a {job.gpu.name} has {cap:.0f} GB (short by {need - cap:.1f} GB). "
+        f"Add GPUs (about {job.world * need / cap:.0f} in all), use a larger-memory --gpu, or a shorter --seq-len"
+    )
