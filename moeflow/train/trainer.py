@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from moeflow.config import JobConfig, to_toml
 from moeflow.models.transformer import Transformer
-from moeflow.parallel.checkpointing import apply_activation_checkpointing
+from moeflow.parallel.dims import ParallelDims
+from moeflow.parallel.parallelize import clip_grad_norm_, parallelize
 from moeflow.train.checkpoint import CheckpointManager
 from moeflow.train.data import BatchSampler, load_tokens, split_tokens, val_batches
 from moeflow.train.distributed import DistInfo, all_reduce_sum, init_distributed
@@ -46,22 +47,12 @@ class Setup:
     layout: str
 
 
-def check_layout(cfg: JobConfig, world: int) -> tuple[int, int]:
-    """(dp_rank count, micro-batch) after validating the parallel sizes against the world size."""
+def check_layout(cfg: JobConfig, world: int) -> tuple[ParallelDims, int]:
+    """(dims, micro-batch) after validating the parallel sizes against the world size and the batch."""
     p = cfg.parallel
-    for key in ("tp", "pp", "ep", "dp_replicate"):
-        if getattr(p, key) != 1:
-            raise ValueError(
-                f"parallel.{key} = {getattr(p, key)} is not supported by this trainer yet (only data "
-                f"parallelism with FSDP2 is); set --parallel.{key}=1"
-            )
-    dp = world if p.dp_shard == -1 else p.dp_shard
-    if dp != world:
-        raise ValueError(
-            f"parallel.dp_shard ({p.dp_shard}) times the other parallel sizes must equal the world size "
-            f"({world}); use --parallel.dp_shard=-1 (the rest) or {world}"
-        )
-    t = cfg.training
+    dims = ParallelDims(world, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep)
+    dims.check_model(cfg.model)
+    t, dp = cfg.training, dims.dp
     if t.global_batch % dp:
         raise ValueError(
             f"training.global_batch ({t.global_batch}) must be divisible by the data-parallel size ({dp}); "
@@ -73,14 +64,13 @@ def check_layout(cfg: JobConfig, world: int) -> tuple[int, int]:
         raise ValueError(
             f"training.micro_batch ({micro}) must divide the per-rank batch ({per_rank} = global_batch / {dp})"
         )
-    if p.zero == 1 and world > 1:
-        raise ValueError("parallel.zero = 1 is not supported by this trainer yet; use --parallel.zero=2 or 3")
-    return dp, micro
+    return dims, micro
 
 
 def build(cfg: JobConfig, info: DistInfo) -> Setup:
     t, d = cfg.training, cfg.data
-    dp, micro = check_layout(cfg, info.world_size)
+    dims, micro = check_layout(cfg, info.world_size)
+    dp = dims.dp
     torch.manual_seed(t.seed)
 
     tokenizer = load_tokenizer(d.tokenizer, None if d.source == "stdlib" else d.source)
@@ -92,22 +82,19 @@ def build(cfg: JobConfig, info: DistInfo) -> Setup:
     tokens = load_tokens(d.source, tokenizer, token_dtype=d.token_dtype, vocab_size=cfg.model.vocab_size,
                          max_bytes=d.max_bytes)
     train_tokens, val_tokens = split_tokens(tokens, d.val_fraction, d.seq_len)
-    sampler = BatchSampler(train_tokens, d.seq_len, t.global_batch, info.rank, dp, t.seed)
-    val = val_batches(val_tokens, d.seq_len, t.global_batch, cfg.eval.batches)
-
     model = Transformer(cfg.model)
     model.init_weights(seed=t.seed)  # identical on every rank before sharding
-    apply_activation_checkpointing(model.layers, t.activation_checkpointing)
     model.to(info.device)
+    p = cfg.parallel
+    parallelize(model, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero,
+                activation_checkpointing=t.activation_checkpointing, ep_backend=p.ep_backend,
+                device_type=info.device.type)
+    dp_rank = model.device_mesh["dp"].get_local_rank() if model.device_mesh is not None else 0
+    sampler = BatchSampler(train_tokens, d.seq_len, t.global_batch, dp_rank, dp, t.seed)
+    val = val_batches(val_tokens, d.seq_len, t.global_batch, cfg.eval.batches)
     layout = "1 process"
     if info.world_size > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from moeflow.parallel.data import apply_fsdp
-
-        mesh = init_device_mesh(info.device.type, (dp,), mesh_dim_names=("dp_shard",))
-        apply_fsdp(model, mesh, zero=cfg.parallel.zero)
-        layout = f"{dp} ranks, FSDP2 (ZeRO-{cfg.parallel.zero})"
+        layout = f"{dims.describe()} ({info.world_size} ranks, FSDP2 ZeRO-{p.zero})"
     accum = t.global_batch // dp // micro
     for _, router in model.moe_routers():
         router.aux_loss_scale = 1.0 / accum  # the aux loss is per micro-batch, like the main loss
@@ -146,9 +133,7 @@ def train_step(cfg: JobConfig, s: Setup) -> dict:
             loads[i] += r.last_load
             dropped[i] += r.last_dropped
     clip = cfg.training.grad_clip if cfg.training.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = clip_grad_norm_(model, clip)
     # One all-reduce for everything logged; its .tolist() is the step's one host sync, needed anyway
     # for the non-finite check (every rank must take the same decision) and the progress bar.
     packed = all_reduce_sum(torch.cat([loss_sum.view(1), dropped, *loads]))

@@ -1,0 +1,104 @@
+"""parallelize(model, ...): apply the parallel layout to a single-device model, in a fixed order.
+
+Order: validate sizes -> activation checkpointing -> expert parallelism (each rank keeps E/ep experts,
+tokens travel through moeflow.ep) -> FSDP2 on the experts over what remains of the data-parallel ranks
+-> FSDP2 on every block, then the root. At world size 1 nothing is wrapped (DESIGN.md, principle 8).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeflow.parallel.checkpointing import apply_activation_checkpointing
+from moeflow.parallel.dims import ParallelDims
+
+NOT_YET = {
+    "tp": "tensor parallelism",
+    "pp": "pipeline parallelism",
+}
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    zero: int = 3,
+    activation_checkpointing: str = "none",
+    mixed_precision: torch.dtype | None = None,
+    ep_backend: str = "auto",
+    device_type: str | None = None,
+) -> nn.Module:
+    """Parallelize `model` (a moeflow Transformer) in place over the default process group; returns it.
+
+    The resolved ParallelDims and DeviceMesh are attached as `model.parallel_dims` / `model.device_mesh`.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims = ParallelDims(world, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep)
+    if hasattr(model, "cfg"):
+        dims.check_model(model.cfg)
+    for key, what in NOT_YET.items():
+        if getattr(dims, key) > 1:
+            raise ValueError(f"parallel.{key} = {getattr(dims, key)}: {what} is not supported yet; "
+                             f"set --parallel.{key}=1 (data and expert parallelism are)")
+    if zero not in (2, 3) and dims.dp > 1:
+        raise ValueError(f"parallel.zero = {zero} is not supported yet; use 2 or 3 (FSDP2)")
+    apply_activation_checkpointing(model.layers, activation_checkpointing)
+    model.parallel_dims, model.device_mesh = dims, None
+    if world == 1:
+        return model
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    mesh = dims.build_mesh(device_type)
+    model.device_mesh = mesh
+    fsdp = {"reshard_after_forward": zero == 3}
+    if mixed_precision is not None:
+        fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    expert_mesh = mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else mesh["efsdp"]
+
+    if dims.ep > 1:
+        from moeflow.ep.moe_layer import ExpertParallelMoE
+        from moeflow.models.moe import MoE
+
+        ep_group = mesh["ep"].get_group()
+        for block in model.layers.values():
+            if isinstance(block.feed_forward, MoE):
+                block.feed_forward = ExpertParallelMoE(block.feed_forward, ep_group, backend=ep_backend)
+                experts = block.feed_forward.experts
+                fully_shard(experts, mesh=expert_mesh, **fsdp)
+                # FSDP averages over the expert mesh (dp / ep ranks), but each expert's gradient sums
+                # the tokens of all dp ranks (they arrive through the EP group): divide by dp instead.
+                experts.set_gradient_divide_factor(float(dims.dp))
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, **fsdp)
+    fully_shard(model, mesh=dp_mesh, **fsdp)
+    return model
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm of a parallelized model; returns the norm before clipping.
+
+    Gradients are DTensors on different meshes (experts on the expert mesh, the rest on the data
+    mesh), which torch's clip_grad_norm_ cannot stack, so: sum the squares of the local shards, add
+    them up over all ranks, and divide out the copies the replicate dimension holds.
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    sq = torch.stack([g.float().pow(2).sum() for g in local]).sum() if local else torch.zeros(())
+    dims = getattr(model, "parallel_dims", None)
+    if dist.is_initialized() and dims is not None and dims.world_size > 1:
+        dist.all_reduce(sq)
+        sq = sq / dims.dp_replicate
+    norm = sq.sqrt()
+    if max_norm < float("inf"):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(local, coef)
+    return norm
