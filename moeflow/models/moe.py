@@ -197,6 +197,9 @@ class GroupedExperts(nn.Module):
         # torch's grouped_mm takes fp32 on the CPU but only bf16 on CUDA (as of torch 2.13).
         if impl == "grouped_mm" and x.device.type == "cuda" and x.dtype != torch.bfloat16:
             return "bmm"
+        # grouped_mm also needs 16-byte-aligned row strides ("strides should be multiple of 16 bytes").
+        if impl == "grouped_mm" and (self.dim * x.element_size() % 16 or self.hidden * x.element_size() % 16):
+            return "bmm"
         return impl
 
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -213,7 +216,10 @@ def expert_matmuls(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD, impl: str) -> torch.T
     if impl == "grouped_mm":
         offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
         h_NF = _swiglu(F.grouped_mm(x_ND, w1_EDF, offs=offs_E), F.grouped_mm(x_ND, w3_EDF, offs=offs_E))
-        return F.grouped_mm(h_NF, w2_EFD, offs=offs_E)
+        y_ND = F.grouped_mm(h_NF, w2_EFD, offs=offs_E)
+        if y_ND.requires_grad:  # grouped_mm's backward rejects a stride-0 gradient (e.g. from y.sum())
+            y_ND.register_hook(lambda g: g.contiguous())
+        return y_ND
     if impl == "bmm":
         return _padded_bmm(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD)
     if impl == "loop":
