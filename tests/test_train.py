@@ -144,3 +144,23 @@ def test_bf16_autocast_trains(tiny_args, tmp_path):
     summary = train(_cfg(tiny_args, tmp_path, "--training.steps=8", "--training.dtype=bf16", "--training.lr=1e-2",
                          "--checkpoint.enabled=false"), progress=False)
     assert summary["final_loss"] < summary["first_loss"]
+
+
+def test_expert_parallel_run_matches_one_process_and_resumes(tiny_args, tmp_path):
+    """ep=2 over 2 ranks (each keeps 2 of the 4 experts; tokens travel through moeflow.ep) trains the same
+    steps as one process, and a run stopped at step 2 resumes to step 4 on the same losses."""
+    args = ["train", *tiny_args, "--training.steps=4", "--no-progress"]
+    one = run_cli([*args, f"--run-dir={tmp_path / 'one'}"])
+    assert one.returncode == 0, one.stderr
+    ep = [*args, f"--run-dir={tmp_path / 'ep'}", "--parallel.ep=2", "--nproc-per-node", "2"]
+    first = run_cli([*ep, "--training.stop_at=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "ep=2" in first.stdout
+    again = run_cli([*ep, "--resume"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "ep")
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5)
+    wrong = run_cli([*args, f"--run-dir={tmp_path / 'ep'}", "--training.steps=6"])
+    assert wrong.returncode == 2 and "saved with parallel.ep=2" in wrong.stderr

@@ -88,6 +88,16 @@ class ParallelDims:
         mesh["dp_replicate", "efsdp", "ep"]._flatten("dp")
         return mesh
 
+    @staticmethod
+    def submesh(mesh, *names: str):
+        """mesh[names], quiet about torch's notice that slicing flattened dims from the root will change
+        (torch 2.13 still supports it; the 2-D HSDP mesh needs it)."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return mesh[names if len(names) > 1 else names[0]]
+
     def describe(self) -> str:
         parts = [f"{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")
                  if getattr(self, k) > 1]

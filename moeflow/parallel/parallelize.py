@@ -61,14 +61,15 @@ def parallelize(
     fsdp = {"reshard_after_forward": zero == 3}
     if mixed_precision is not None:
         fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-    expert_mesh = mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else mesh["efsdp"]
+    sub = ParallelDims.submesh
+    dp_mesh = sub(mesh, "dp_replicate", "dp_shard") if dims.dp_replicate > 1 else sub(mesh, "dp_shard")
+    expert_mesh = sub(mesh, "dp_replicate", "efsdp") if dims.dp_replicate > 1 else sub(mesh, "efsdp")
 
     if dims.ep > 1:
         from moeflow.ep.moe_layer import ExpertParallelMoE
         from moeflow.models.moe import MoE
 
-        ep_group = mesh["ep"].get_group()
+        ep_group = sub(mesh, "ep").get_group()
         for block in model.layers.values():
             if isinstance(block.feed_forward, MoE):
                 block.feed_forward = ExpertParallelMoE(block.feed_forward, ep_group, backend=ep_backend)

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from moeflow.train.distributed import barrier, broadcast_object
 
 MANIFEST = "COMPLETE.json"
+_EP_TAG = re.compile(r"@ep\d+of\d+")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -51,6 +52,35 @@ def verify(path: Path) -> str | None:
     return None
 
 
+def _expert_tag(model) -> str:
+    """A per-EP-rank key suffix for expert tensors ('' without expert parallelism).
+
+    Under EP each rank holds different experts under the same parameter name; DCP would keep only
+    one rank's copy of a name, so each EP rank's experts are stored under their own key. (Resuming
+    under another EP size therefore needs the same ep; resharding experts is future work.)
+    """
+    dims = getattr(model, "parallel_dims", None)
+    if dims is None or dims.ep == 1:
+        return ""
+    return f"@ep{dims.submesh(model.device_mesh, 'ep').get_local_rank()}of{dims.ep}"
+
+
+def _tag_experts(model_sd: dict, optim_sd: dict, tag: str) -> tuple[dict, dict]:
+    """Rename expert keys (model and optimizer state) to carry `tag`; tag '' strips any tag."""
+
+    def rename(key: str) -> str:
+        key = _EP_TAG.sub("", key)
+        return key + tag if tag and ".experts." in key else key
+
+    model_sd = {rename(k): v for k, v in model_sd.items()}
+    optim_sd = dict(optim_sd)
+    optim_sd["state"] = {rename(k): v for k, v in optim_sd.get("state", {}).items()}
+    optim_sd["param_groups"] = [
+        {**g, "params": [rename(k) for k in g["params"]]} for g in optim_sd.get("param_groups", [])
+    ]
+    return model_sd, optim_sd
+
+
 class CheckpointManager:
     def __init__(self, run_dir: str | Path, keep: int, rank: int):
         self.root = Path(run_dir) / "checkpoints"
@@ -77,7 +107,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = _tag_experts(*get_state_dict(model, optimizer), _expert_tag(model))
         with warnings.catch_warnings():  # DCP warns that a 1-process save is a 1-process save
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -103,19 +133,28 @@ class CheckpointManager:
         return final
 
     def load(self, path: Path, model, optimizer) -> dict:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        extra = json.loads((path / "extra.json").read_text())
+        dims = getattr(model, "parallel_dims", None)
+        saved_ep, ep = extra.get("ep", 1), dims.ep if dims is not None else 1
+        if saved_ep != ep:
+            raise ValueError(
+                f"checkpoint {path} was saved with parallel.ep={saved_ep}; resuming with ep={ep} is not "
+                f"supported yet: use --parallel.ep={saved_ep} or start a new --run-dir"
+            )
+        model_sd, optim_sd = _tag_experts(*get_state_dict(model, optimizer), _expert_tag(model))
         state = {"model": model_sd, "optim": optim_sd}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        model_sd, optim_sd = _tag_experts(state["model"], state["optim"], "")
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         rng_file = path / f"rng-rank{self.rank}.pt"
         if rng_file.is_file():  # absent when resuming with more ranks than were saved
             rng = torch.load(rng_file, weights_only=False)
             torch.set_rng_state(rng["cpu"])
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
-        return json.loads((path / "extra.json").read_text())
+        return extra
 
     def find_resume(self) -> Path | None:
         """The newest complete checkpoint, agreed on by every rank (rank 0 decides)."""

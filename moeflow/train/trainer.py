@@ -89,7 +89,8 @@ def build(cfg: JobConfig, info: DistInfo) -> Setup:
     parallelize(model, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero,
                 activation_checkpointing=t.activation_checkpointing, ep_backend=p.ep_backend,
                 device_type=info.device.type)
-    dp_rank = model.device_mesh["dp"].get_local_rank() if model.device_mesh is not None else 0
+    mesh = model.device_mesh
+    dp_rank = ParallelDims.submesh(mesh, "dp").get_local_rank() if mesh is not None else 0
     sampler = BatchSampler(train_tokens, d.seq_len, t.global_batch, dp_rank, dp, t.seed)
     val = val_batches(val_tokens, d.seq_len, t.global_batch, cfg.eval.batches)
     layout = "1 process"
@@ -263,7 +264,8 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
                 record["moe"] = out["moe"]
             logger.log(step, record)
         if cfg.checkpoint.enabled and (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or is_last):
-            extra = {"step": step, "scheduler": s.scheduler.state_dict(), "sampler": s.sampler.state_dict()}
+            extra = {"step": step, "scheduler": s.scheduler.state_dict(), "sampler": s.sampler.state_dict(),
+                     "ep": cfg.parallel.ep}
             last_ckpt = ckpt.save(step, s.model, s.optimizer, extra)
         bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.1e}", tok_s=f"{tokens_per_s:,.0f}")
         bar.update(1)
