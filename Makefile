@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/moeflow train --config configs/default.toml
+	$(BIN)/moeflow train --config configs/default.toml --nproc-per-node 2
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
