@@ -234,7 +234,7 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
     first_loss = last_loss = val_loss = None
     last_ckpt = resume_from
     bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", disable=not (info.is_main and progress),
-               dynamic_ncols=True)
+               dynamic_ncols=True, mininterval=0.5)
     t_start = time.perf_counter()
     t_window, steps_window = t_start, 0
     tokens_per_s = 0.0
