@@ -1,0 +1,434 @@
+"""One MoE block, forward + backward: moeflow against Hugging Face transformers' Qwen3-MoE block.
+
+What is timed (each case is one forward and one backward of the whole block, router included):
+
+  moeflow[grouped_mm|bmm|loop]  moeflow.models.moe.MoE with each GroupedExperts path
+  hf[grouped_mm]                transformers' Qwen3MoeSparseMoeBlock, config experts_implementation="grouped_mm"
+  hf[eager]                     the same block with experts_implementation="eager" (its per-expert Python loop)
+  dense mm floor                the 9 plain matmuls a SwiGLU over N = T*K rows needs (3 forward of [N, D] x [D, F]
+                                shapes, 6 backward), no routing, no autograd: the time of the FLOPs alone
+  dense swiglu (autograd)       a dense SwiGLU over the same N rows through autograd (the floor plus activation
+                                and autograd overhead; shown for reference)
+
+Both models get identical weights (moeflow's are copied into HF's fused gate_up_proj layout), so the check
+at the start compares outputs and input gradients. Repeats of all cases are interleaved in a shuffled order
+so that noise from other processes on a shared machine falls on every case alike; the reported figure is
+the median, and the targets are ratios measured in the same run (DESIGN.md, principle 10).
+
+    .venv/bin/python bench/moe_layer.py             # E=16, top-4, D=F=256, 1024 tokens, fp32, 2 threads
+    .venv/bin/python bench/moe_layer.py --quick     # a few repeats
+    .venv/bin/python bench/moe_layer.py --tokens 4096 --experts 64 --topk 8 --hidden 512
+
+Writes bench/out/moe_layer.json and bench/out/moe_layer.png.
+Shape suffixes: T tokens, K top-k, E experts, D model width, F expert width, N = T*K routed rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from moeflow.models import moe as moe_mod  # noqa: E402
+from moeflow.models.config import ModelConfig, MoEConfig  # noqa: E402
+
+MOEFLOW_IMPLS = ("grouped_mm", "bmm", "loop")
+HF_IMPLS = ("grouped_mm", "eager")
+TARGET_VS_HF = 1.5  # moeflow at least this many times faster than hf[grouped_mm]
+TARGET_VS_FLOOR = 1.5  # moeflow within this factor of the dense mm floor
+
+
+# ---- models ------------------------------------------------------------------------------
+
+
+def build_moeflow(T: int, E: int, K: int, D: int, F: int, impl: str, seed: int) -> moe_mod.MoE:
+    cfg = ModelConfig(
+        dim=D,
+        moe=MoEConfig(
+            num_experts=E,
+            top_k=K,
+            ffn_dim=F,
+            score_func="softmax",
+            norm_topk_prob=True,
+            load_balance="none",
+            expert_impl=impl,
+        ),
+    ).validate()
+    model = moe_mod.MoE(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # Router logits of order 1 so the top-k choices are clear (no near-ties between the two models).
+        model.router.gate.weight.copy_(torch.randn(E, D, generator=gen) / D**0.5)
+        model.experts.w1.copy_(torch.randn(E, D, F, generator=gen) / D**0.5)
+        model.experts.w3.copy_(torch.randn(E, D, F, generator=gen) / D**0.5)
+        model.experts.w2.copy_(torch.randn(E, F, D, generator=gen) / F**0.5)
+    return model
+
+
+def copy_weights(dst: moe_mod.MoE, src: moe_mod.MoE) -> None:
+    with torch.no_grad():
+        for p_dst, p_src in zip(dst.parameters(), src.parameters(), strict=True):
+            p_dst.copy_(p_src)
+
+
+def build_hf(src: moe_mod.MoE, impl: str):
+    """Qwen3MoeSparseMoeBlock with src's weights; `impl` is its experts_implementation ("grouped_mm", "eager")."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    w1_EDF, w3_EDF, w2_EFD = src.experts.w1, src.experts.w3, src.experts.w2
+    E, D, F = w1_EDF.shape
+    cfg = Qwen3MoeConfig(
+        hidden_size=D,
+        moe_intermediate_size=F,
+        num_experts=E,
+        num_experts_per_tok=src.top_k,
+        norm_topk_prob=True,
+        hidden_act="silu",
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=F,
+        vocab_size=256,
+        experts_implementation=impl,
+    )
+    # The block is built standalone (not through from_pretrained), so set the dispatch key directly too.
+    cfg._experts_implementation = impl
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        block.gate.weight.copy_(src.router.gate.weight)
+        # HF stores experts as nn.Linear-style [out, in]: gate_up_proj [E, 2F, D] = [gate; up], down_proj [E, D, F].
+        block.experts.gate_up_proj.copy_(torch.cat([w1_EDF.transpose(1, 2), w3_EDF.transpose(1, 2)], dim=1))
+        block.experts.down_proj.copy_(w2_EFD.transpose(1, 2))
+    return block
+
+
+# ---- timed cases ---------------------------------------------------------------------------
+
+
+class Case:
+    """A callable that runs one forward+backward; `reset` runs before each timed call, untimed."""
+
+    def __init__(self, name: str, fn, params: list[torch.Tensor], group: str):
+        self.name, self.fn, self.params, self.group = name, fn, params, group
+        self.times_ms: list[float] = []
+
+    def reset(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def run_once(self) -> float:
+        self.reset()
+        t0 = time.perf_counter()
+        self.fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def module_case(name: str, module: torch.nn.Module, x_BSD: torch.Tensor, dy_BSD: torch.Tensor, group: str) -> Case:
+    x = x_BSD.detach().clone().requires_grad_(True)
+
+    def fn():
+        y = module(x)
+        y.backward(dy_BSD)
+
+    return Case(name, fn, [x, *module.parameters()], group)
+
+
+def dense_mm_floor_case(N: int, D: int, F: int, gen: torch.Generator) -> Case:
+    """The 9 matmuls of a SwiGLU over N rows, forward and backward, with nothing else (no autograd)."""
+    x_ND = torch.randn(N, D, generator=gen)
+    w1_DF, w3_DF = torch.randn(D, F, generator=gen), torch.randn(D, F, generator=gen)
+    w2_FD = torch.randn(F, D, generator=gen)
+    dy_ND = torch.randn(N, D, generator=gen)
+
+    def fn():
+        h1_NF, h3_NF = x_ND @ w1_DF, x_ND @ w3_DF  # forward
+        y_ND = h3_NF @ w2_FD
+        dh_NF = dy_ND @ w2_FD.T  # backward: d(input) and d(weight) of each matmul
+        dw2_FD = h1_NF.T @ dy_ND
+        dx_ND = dh_NF @ w1_DF.T
+        dx_ND += dh_NF @ w3_DF.T
+        dw1_DF, dw3_DF = x_ND.T @ dh_NF, x_ND.T @ h1_NF
+        return y_ND, dw2_FD, dx_ND, dw1_DF, dw3_DF
+
+    return Case("dense mm floor", fn, [], "floor")
+
+
+def dense_swiglu_case(N: int, D: int, F: int, gen: torch.Generator) -> Case:
+    ffn = moe_mod.FeedForward(D, F)
+    x = torch.randn(N, D, generator=gen).requires_grad_(True)
+    dy = torch.randn(N, D, generator=gen)
+
+    def fn():
+        ffn(x).backward(dy)
+
+    return Case("dense swiglu (autograd)", fn, [x, *ffn.parameters()], "floor")
+
+
+# ---- agreement -----------------------------------------------------------------------------
+
+
+def fwd_bwd(module, x_BSD, dy_BSD):
+    x = x_BSD.detach().clone().requires_grad_(True)
+    for p in module.parameters():
+        p.grad = None
+    y = module(x)
+    y.backward(dy_BSD)
+    return y.detach(), x.grad.detach()
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def check_agreement(mf: dict, hf: dict, x, dy) -> dict:
+    """Max abs differences of outputs, input gradients and weight gradients, moeflow[impl] vs the others."""
+    ref = next(iter(mf.values()))
+    y_ref, dx_ref = fwd_bwd(ref, x, dy)
+    g_ref = {
+        "router": ref.router.gate.weight.grad.clone(),
+        "gate_up": torch.cat([ref.experts.w1.grad.transpose(1, 2), ref.experts.w3.grad.transpose(1, 2)], dim=1),
+        "down": ref.experts.w2.grad.transpose(1, 2).clone(),
+    }
+    out = {"output_scale": float(y_ref.abs().max()), "input_grad_scale": float(dx_ref.abs().max())}
+    for name, m in list(mf.items())[1:]:
+        y, dx = fwd_bwd(m, x, dy)
+        out[f"{name} vs {next(iter(mf))}"] = {"output": max_abs(y, y_ref), "input_grad": max_abs(dx, dx_ref)}
+    for name, block in hf.items():
+        y, dx = fwd_bwd(block, x, dy)
+        out[f"{next(iter(mf))} vs {name}"] = {
+            "output": max_abs(y, y_ref),
+            "input_grad": max_abs(dx, dx_ref),
+            "router_grad": max_abs(block.gate.weight.grad, g_ref["router"]),
+            "gate_up_grad": max_abs(block.experts.gate_up_proj.grad, g_ref["gate_up"]),
+            "down_grad": max_abs(block.experts.down_proj.grad, g_ref["down"]),
+        }
+    return out
+
+
+# ---- driver --------------------------------------------------------------------------------
+
+
+def machine_info(threads: int) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": threads,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "mkldnn": torch.backends.mkldnn.is_available(),
+        "mkl": torch.backends.mkl.is_available(),
+    }
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=1024, help="T, tokens in the batch")
+    p.add_argument("--experts", type=int, default=16, help="E, routed experts")
+    p.add_argument("--topk", type=int, default=4, help="K, experts per token")
+    p.add_argument("--hidden", type=int, default=256, help="D, model width")
+    p.add_argument("--ffn", type=int, default=None, help="F, expert width (default: --hidden)")
+    p.add_argument("--repeats", type=int, default=30, help="timed repeats of every case (interleaved)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs of every case first")
+    p.add_argument("--quick", action="store_true", help="3 repeats, 1 warm-up (a smoke run; noisy)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-eager", action="store_true", help="skip hf[eager] and moeflow[loop] (slow at large E)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "out", help="folder for the JSON and PNG")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.warmup = 3, 1
+    args.ffn = args.ffn or args.hidden
+    return args
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    T, E, K, D, F = args.tokens, args.experts, args.topk, args.hidden, args.ffn
+    N = T * K
+    info = machine_info(args.threads)
+    print(
+        f"moe_layer bench: T={T} E={E} K={K} D={D} F={F} fp32, fwd+bwd, "
+        f"{args.repeats} repeats (interleaved) after {args.warmup} warm-up"
+    )
+    print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    x_BSD = torch.randn(1, T, D, generator=gen)
+    dy_BSD = torch.randn(1, T, D, generator=gen)
+
+    mf_impls = [i for i in MOEFLOW_IMPLS if not (args.no_eager and i == "loop")]
+    hf_impls = [i for i in HF_IMPLS if not (args.no_eager and i == "eager")]
+    base = build_moeflow(T, E, K, D, F, mf_impls[0], args.seed)
+    mf = {f"moeflow[{mf_impls[0]}]": base}
+    for impl in mf_impls[1:]:
+        m = build_moeflow(T, E, K, D, F, impl, args.seed)
+        copy_weights(m, base)
+        mf[f"moeflow[{impl}]"] = m
+    auto_impl = moe_mod.DEFAULT_EXPERT_IMPL.get("cpu", "loop")
+    hf = {f"hf[{impl}]": build_hf(base, impl) for impl in hf_impls}
+
+    agree = check_agreement(mf, hf, x_BSD, dy_BSD)
+    print(
+        f"\nagreement (fp32 max abs difference; output scale {agree['output_scale']:.3g}, "
+        f"input-grad scale {agree['input_grad_scale']:.3g}):"
+    )
+    for key, d in agree.items():
+        if isinstance(d, dict):
+            print(f"  {key:36s} " + "  ".join(f"{k} {v:.2e}" for k, v in d.items()))
+    worst = max(v for d in agree.values() if isinstance(d, dict) for v in d.values())
+    agree_ok = worst <= 1e-4 * max(1.0, agree["output_scale"], agree["input_grad_scale"])
+
+    cases = [module_case(name, m, x_BSD, dy_BSD, "moeflow") for name, m in mf.items()]
+    cases += [module_case(name, b, x_BSD, dy_BSD, "hf") for name, b in hf.items()]
+    cases += [dense_mm_floor_case(N, D, F, gen), dense_swiglu_case(N, D, F, gen)]
+
+    with torch.enable_grad():
+        for _ in range(args.warmup):
+            for c in cases:
+                c.run_once()
+        rng = random.Random(args.seed)
+        for _ in range(args.repeats):
+            order = cases[:]
+            rng.shuffle(order)
+            for c in order:
+                c.times_ms.append(c.run_once())
+
+    med = {c.name: statistics.median(c.times_ms) for c in cases}
+    best = {c.name: min(c.times_ms) for c in cases}
+    q = {c.name: statistics.quantiles(c.times_ms, n=4) if len(c.times_ms) > 1 else [med[c.name]] * 3 for c in cases}
+    mf_best = min((n for n in mf), key=lambda n: med[n])
+    flops = 2 * 9 * N * D * F  # 9 matmuls of N x D x F multiply-adds
+
+    def ratios(stat: dict, name: str) -> dict:
+        return {
+            "vs_hf_grouped_mm": ratio(stat.get("hf[grouped_mm]", float("nan")), stat[name]),  # > 1: faster than HF
+            "vs_hf_eager": ratio(stat.get("hf[eager]", float("nan")), stat[name]),
+            "to_dense_floor": ratio(stat[name], stat["dense mm floor"]),  # 1 = the floor
+        }
+
+    print(
+        f"\n{'case':26s} {'median ms':>9s} {'IQR ms':>15s} {'min ms':>7s} {'GFLOP/s':>8s} "
+        f"{'hf[gmm]/x':>9s} {'hf[eager]/x':>11s} {'x/floor':>7s}   (ratios of medians; of minima)"
+    )
+    for c in cases:
+        m, r, rb = med[c.name], ratios(med, c.name), ratios(best, c.name)
+        print(
+            f"{c.name:26s} {m:9.2f} {q[c.name][0]:7.2f}-{q[c.name][2]:<7.2f} {best[c.name]:7.2f} "
+            f"{flops / m / 1e6:8.1f} {r['vs_hf_grouped_mm']:9.2f} {r['vs_hf_eager']:11.2f} "
+            f"{r['to_dense_floor']:7.2f}   ({rb['vs_hf_grouped_mm']:.2f}; {rb['vs_hf_eager']:.2f}; "
+            f"{rb['to_dense_floor']:.2f})"
+        )
+
+    auto_name = f"moeflow[{auto_impl}]"
+    if auto_name not in med:
+        auto_name = mf_best
+    r_med, r_min = ratios(med, auto_name), ratios(best, auto_name)
+    targets = {
+        "moeflow_impl": auto_name,
+        "fastest_moeflow_impl_by_median": mf_best,
+        "ratios_of_medians": r_med,
+        "ratios_of_minima": r_min,
+        "target_speedup_vs_hf_grouped_mm": TARGET_VS_HF,
+        "target_ratio_to_dense_floor": TARGET_VS_FLOOR,
+        "met_vs_hf": r_med["vs_hf_grouped_mm"] >= TARGET_VS_HF,
+        "met_vs_floor": r_med["to_dense_floor"] <= TARGET_VS_FLOOR,
+        "outputs_agree": agree_ok,
+    }
+    print(f"\nDEFAULT_EXPERT_IMPL['cpu'] = {auto_impl!r}; fastest measured moeflow path here: {mf_best}")
+    print(
+        f"target: {auto_name} >= {TARGET_VS_HF}x faster than hf[grouped_mm]: {r_med['vs_hf_grouped_mm']:.2f}x "
+        f"(minima {r_min['vs_hf_grouped_mm']:.2f}x) -> {'met' if targets['met_vs_hf'] else 'MISSED'}"
+    )
+    print(
+        f"target: {auto_name} within {TARGET_VS_FLOOR}x of the dense mm floor: {r_med['to_dense_floor']:.2f}x "
+        f"(minima {r_min['to_dense_floor']:.2f}x) -> {'met' if targets['met_vs_floor'] else 'MISSED'}"
+    )
+    print(f"outputs agree (max abs diff {worst:.2e}): {agree_ok}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "bench": "moe_layer",
+        "shape": {"tokens": T, "experts": E, "topk": K, "hidden": D, "ffn": F, "dtype": "float32"},
+        "method": {"repeats": args.repeats, "warmup": args.warmup, "interleaved": True, "statistic": "median"},
+        "machine": info,
+        "median_ms": med,
+        "min_ms": best,
+        "quartiles_ms": {k: [v[0], v[2]] for k, v in q.items()},
+        "times_ms": {c.name: c.times_ms for c in cases},
+        "agreement": agree,
+        "targets": targets,
+    }
+    json_path = args.out / "moe_layer.json"
+    json_path.write_text(json.dumps(result, indent=2))
+    png_path = args.out / "moe_layer.png"
+    plot(
+        cases,
+        med,
+        q,
+        med["dense mm floor"],
+        png_path,
+        f"MoE block fwd+bwd, T={T} E={E} K={K} D={D} F={F} fp32, "
+        f"{args.threads} threads\ntorch {torch.__version__}, transformers {info['transformers']}",
+    )
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def plot(cases, med, q, floor, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"moeflow": "tab:blue", "hf": "tab:orange", "floor": "tab:gray"}
+    names = [c.name for c in cases]
+    vals = [med[n] for n in names]
+    err = [[med[n] - q[n][0] for n in names], [q[n][2] - med[n] for n in names]]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.5))
+    ax.barh(names, vals, xerr=err, color=[colors[c.group] for c in cases], capsize=3)
+    ax.axvline(floor, color="k", ls="--", lw=1, label="dense mm floor")
+    for i, (n, v) in enumerate(zip(names, vals)):
+        ax.text(q[n][2], i, f"  {v:.1f} ms ({v / floor:.2f}x floor)", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("median ms per forward+backward (bars: interquartile range)")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlim(0, max(vals) * 1.45)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
