@@ -1,0 +1,82 @@
+"""Collectives with a timeout that names the operation, and byte accounting per call.
+
+Shape legend: n rows, B bytes per row, R members of the group, C counters per member.
+
+A group of size 1 never calls torch.distributed (moeflow runs ep=1 with no process group at all).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class EPStats:
+    """Bytes this rank sent to other ranks (inside / across nodes) and the number of dispatch+combine calls."""
+
+    dispatch_bytes_intra: int = 0
+    dispatch_bytes_inter: int = 0
+    combine_bytes_intra: int = 0
+    combine_bytes_inter: int = 0
+    calls: int = 0
+
+
+class Comm:
+    """One process group (or none) plus the node of each member, for timeouts and byte counting.
+
+    `members` are the EP ranks (positions in the Buffer's group) of this group's members, in the
+    group's rank order; `node_of` maps an EP rank to its node.
+    """
+
+    def __init__(self, group, members: list[int], me: int, node_of: list[int], timeout_s: float,
+                 stats: EPStats):
+        self.group, self.members, self.me = group, members, me
+        self.size = len(members)
+        self.index = members.index(me)
+        self.node_of, self.timeout_s, self.stats = node_of, timeout_s, stats
+
+    def _wait(self, work, op: str) -> None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # gloo raises RuntimeError("... timed out ..."), NCCL DistBackendError
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise TimeoutError(
+                    f"moeflow.ep {op} did not complete within timeout_s={self.timeout_s} s on EP rank "
+                    f"{self.me}: a peer never joined the call (every rank must call it, in the same "
+                    f"order); raise Buffer(timeout_s=...) if the peers are just slow"
+                ) from exc
+            raise RuntimeError(f"moeflow.ep {op} failed on EP rank {self.me}: {exc}") from exc
+
+    def all_gather(self, vec_C: torch.Tensor, op: str) -> torch.Tensor:
+        """[C] int64 from every member -> [R, C]."""
+        if self.size == 1:
+            return vec_C.unsqueeze(0)
+        out = [torch.empty_like(vec_C) for _ in range(self.size)]
+        self._wait(dist.all_gather(out, vec_C, group=self.group, async_op=True), op)
+        return torch.stack(out)
+
+    def all_to_all(self, rows_nB: torch.Tensor, send_splits: list[int], recv_splits: list[int], op: str,
+                   kind: str | None) -> torch.Tensor:
+        """One all_to_all_single of uint8 rows; records rows * B sent to other members as `kind` bytes."""
+        if kind is not None:
+            self.record(kind, send_splits, rows_nB.shape[1])
+        if self.size == 1:
+            return rows_nB
+        out = rows_nB.new_empty((sum(recv_splits), rows_nB.shape[1]))
+        work = dist.all_to_all_single(out, rows_nB.contiguous(), recv_splits, send_splits,
+                                      group=self.group, async_op=True)
+        self._wait(work, op)
+        return out
+
+    def record(self, kind: str, rows_per_member: list[int], row_bytes: int) -> None:
+        """Add rows * row_bytes sent to each other member to the intra or inter counter of `kind`."""
+        my_node = self.node_of[self.me]
+        for i, n in enumerate(rows_per_member):
+            if i != self.index and n:
+                where = "intra" if self.node_of[self.members[i]] == my_node else "inter"
+                name = f"{kind}_bytes_{where}"
+                setattr(self.stats, name, getattr(self.stats, name) + n * row_bytes)

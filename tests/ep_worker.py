@@ -1,0 +1,380 @@
+"""Multi-process harness for the moeflow.ep tests: one launch per world size runs MANY cases.
+
+Process start-up (importing torch) dominates on CPU, so the parent spawns `world` gloo processes once;
+each loops over the same list of cases (every rank calls the same collectives in the same order), and
+writes {case name: "ok" | traceback} to a file the parent reads. Cases check their own rank's results
+against moeflow.ep.reference, which every rank can evaluate because the parent passes every rank's
+inputs (routings) to all of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+# ---- launching ------------------------------------------------------------------------------------------
+
+
+def launch(world: int, cases: list[tuple[str, str, dict]], timeout_s: float = 20.0) -> list[dict[str, str]]:
+    """Run `cases` ([(name, function name, kwargs)]) on `world` gloo processes; -> per-rank results."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, cases, tmp, timeout_s), nprocs=world, join=True)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+
+
+def _worker(rank: int, world: int, cases, tmp: str, timeout_s: float) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    ctx = Ctx(rank, world, timeout_s)
+    results = {}
+    for name, fn, kwargs in cases:
+        try:
+            CASES[fn](ctx, **kwargs)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+            # The peers may now wait in a collective this rank skipped: stop rather than cascade.
+            break
+    torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
+    # Skip destroy_process_group: after a timeout case a peer may still hold an unmatched collective.
+    os._exit(0)
+
+
+class Ctx:
+    """A rank's view: its rank, the world, and Buffers reused across cases (subgroups are built once)."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.group = dist.group.WORLD if dist.is_initialized() else None
+        self.buffers = {}
+
+    def buf(self, backend: str, G: int):
+        from moeflow.ep import Buffer
+
+        key = (backend, G)
+        if key not in self.buffers:
+            self.buffers[key] = Buffer(self.group, backend=backend, ranks_per_node=G, timeout_s=self.timeout_s)
+        return self.buffers[key]
+
+
+def run_inline(cases) -> dict[str, str]:
+    """World size 1 in this process, no process group."""
+    ctx = Ctx(0, 1, 10.0)
+    ctx.group = None
+    out = {}
+    for name, fn, kwargs in cases:
+        try:
+            CASES[fn](ctx, **kwargs)
+            out[name] = "ok"
+        except Exception:
+            out[name] = traceback.format_exc()
+    return out
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------
+
+
+def build(routing: dict, D: int, seed: int = 0):
+    """Every rank's (topk_idx, x, topk_weights) from a routing {"E", "K", "idx": [per-rank lists]}."""
+    K = routing["K"]
+    idxs = [torch.tensor(r, dtype=torch.int64).view(-1, K) for r in routing["idx"]]
+    xs, ws = [], []
+    for s, idx in enumerate(idxs):
+        g = torch.Generator().manual_seed(seed * 1000 + s)
+        xs.append(torch.randn(idx.shape[0], D, generator=g))
+        ws.append(torch.rand(idx.shape[0], K, generator=g))
+    return idxs, xs, ws
+
+
+def _sum_stats(buf) -> list[int]:
+    s = buf.stats
+    v = torch.tensor([s.dispatch_bytes_intra, s.dispatch_bytes_inter, s.combine_bytes_intra,
+                      s.combine_bytes_inter], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(v)
+    return v.tolist()
+
+
+# ---- cases ----------------------------------------------------------------------------------------------
+
+
+def case_reference(ctx, routing, backend, G, W=0, align=1, D=8, check_bytes=True):
+    """dispatch + combine (+ gradients) vs the reference, bit for bit in fp32; bytes vs the bounds."""
+    from moeflow.ep import reference
+    from moeflow.ep.layout import combine_row_bytes, dispatch_row_bytes, traffic_bytes
+
+    E, K, me, R = routing["E"], routing["K"], ctx.rank, ctx.world
+    idxs, xs, ws = build(routing, D)
+    buf = ctx.buf(backend, G)
+    buf.reset_stats()
+    x = xs[me].clone().requires_grad_()
+    w = ws[me].clone().requires_grad_()
+    n_rank, n_node, n_exp, in_rank, _ = buf.get_dispatch_layout(idxs[me], E)
+    if W == "safe":
+        W = sum(t.shape[0] for t in idxs)
+    elif W == "exact":
+        W = max(max(r.x.shape[0] for r in reference.dispatch(xs, idxs, E, ws)), 1)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=n_rank, num_tokens_per_rdma_rank=n_node, is_token_in_rank=in_rank,
+        num_tokens_per_expert=n_exp, topk_idx=idxs[me], topk_weights=w, expert_alignment=align,
+        num_worst_tokens=W)
+    ref = reference.dispatch(xs, idxs, E, ws)[me]
+    N = ref.x.shape[0]
+    assert recv_x.shape[0] == (W or N), (recv_x.shape, W, N)
+    assert torch.equal(recv_x[:N], ref.x)
+    assert torch.equal(recv_idx[:N], ref.topk_idx)
+    assert torch.equal(recv_w[:N], ref.topk_weights)
+    if W:
+        assert (recv_idx[N:] == -1).all() and (recv_w[N:] == 0).all()
+    assert counts == [math.ceil(c / align) * align for c in ref.num_tokens_per_expert], (counts, ref)
+
+    def expert(rx, rw, r):  # a stand-in for the experts that depends on x and the weights
+        return rx * (1 + rw.sum(1, keepdim=True)) * (r + 1)
+
+    out, out_w, _ = buf.combine(expert(recv_x, recv_w, me), handle, topk_weights=recv_w)
+    assert buf.stats.calls == 2
+    if check_bytes:
+        strategy = {"alltoall": "rank", "hierarchical": "node", "allgather": "allgather"}[backend]
+        want = traffic_bytes(idxs, E, G, strategy, dispatch_row_bytes(D, 4, num_topk=K, with_topk_idx=True,
+                             with_topk_weights=True), combine_row_bytes(D, 4, K, with_topk_weights=True))
+        got = _sum_stats(buf)
+        assert got == [want.dispatch_bytes_intra, want.dispatch_bytes_inter, want.combine_bytes_intra,
+                       want.combine_bytes_inter], (got, want)
+    xr = [t.clone().requires_grad_() for t in xs]
+    wr = [t.clone().requires_grad_() for t in ws]
+    rr = reference.dispatch(xr, idxs, E, wr)
+    yr = [expert(rr[r].x, rr[r].topk_weights, r) for r in range(R)]
+    outr, outwr = reference.combine(yr, idxs, E, G, [rr[r].topk_weights for r in range(R)])
+    assert torch.equal(out, outr[me]), (out - outr[me]).abs().max()
+    assert torch.equal(out_w, outwr[me])
+    gs = [torch.randn(t.shape[0], D, generator=torch.Generator().manual_seed(77 + s)) for s, t in enumerate(idxs)]
+    gws = [torch.randn(t.shape[0], K, generator=torch.Generator().manual_seed(99 + s)) for s, t in enumerate(idxs)]
+    ((out * gs[me]).sum() + (out_w * gws[me]).sum()).backward()
+    sum((o * g).sum() + (ow * gw).sum() for o, g, ow, gw in zip(outr, gs, outwr, gws)).backward()
+    torch.testing.assert_close(x.grad, xr[me].grad, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(w.grad, wr[me].grad, atol=1e-6, rtol=1e-6)
+
+
+def case_oracle(ctx, routing, backend, G, D=8):
+    """DeepEP's test: x filled with the rank id; rows come from the ranks the layout says;
+    combine(dispatch(x)) / (ranks each token went to) == x. Also a cached dispatch."""
+    from moeflow.ep import reference
+
+    E, me = routing["E"], ctx.rank
+    idxs, _, _ = build(routing, D)
+    buf = ctx.buf(backend, G)
+    x = torch.full((idxs[me].shape[0], D), float(me))
+    n_rank, n_node, n_exp, in_rank, _ = buf.get_dispatch_layout(idxs[me], E)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                                              num_tokens_per_expert=n_exp, topk_idx=idxs[me])
+    src = reference.dispatch([torch.zeros(t.shape[0], 1) for t in idxs], idxs, E)[me].src_rank
+    assert torch.equal(recv_x, src.float().unsqueeze(1).expand(-1, D)), (recv_x, src)
+    out, _, _ = buf.combine(recv_x, handle)
+    fanout = in_rank.sum(1, keepdim=True).float()
+    routed = fanout[:, 0] > 0
+    assert torch.equal(out[routed] / fanout[routed], x[routed])
+    assert (out[~routed] == 0).all()
+    again = buf.dispatch(x * 2, handle=handle)[0]
+    assert torch.equal(again, recv_x * 2)
+
+
+def case_layout_only(ctx, routing, backend, G, D=8):
+    """dispatch from is_token_in_rank alone (no topk_idx): the same rows as the reference."""
+    from moeflow.ep import reference
+
+    E, me = routing["E"], ctx.rank
+    idxs, xs, _ = build(routing, D)
+    buf = ctx.buf(backend, G)
+    _, _, _, in_rank, _ = buf.get_dispatch_layout(idxs[me], E)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(xs[me], is_token_in_rank=in_rank)
+    assert recv_idx is None and recv_w is None and counts == []
+    refs = reference.dispatch(xs, idxs, E)
+    assert torch.equal(recv_x, refs[me].x)
+    out, _, _ = buf.combine(recv_x * (me + 1), handle)
+    outr = reference.combine([refs[r].x * (r + 1) for r in range(ctx.world)], idxs, E, G)
+    assert torch.equal(out, outr[me])
+
+
+def case_fp8(ctx, routing, backend, G):
+    """fp8 tuple input: the received values and scales are the sent bytes; bytes recorded per the doc."""
+    from moeflow.ep import per_token_cast_back, per_token_cast_to_fp8, reference
+    from moeflow.ep.layout import dispatch_row_bytes, traffic_bytes
+
+    E, K, me, D = routing["E"], routing["K"], ctx.rank, 128
+    idxs, xs, _ = build(routing, D)
+    buf = ctx.buf(backend, G)
+    buf.reset_stats()
+    q = [per_token_cast_to_fp8(t) for t in xs]
+    (rx, rs), ridx, _, _, handle, _ = buf.dispatch(q[me], topk_idx=idxs[me], num_experts=E)
+    ref_x = reference.dispatch([a.view(torch.uint8) for a, _ in q], idxs, E)[me].x
+    ref_s = reference.dispatch([s for _, s in q], idxs, E)[me].x
+    assert rx.dtype == torch.float8_e4m3fn and torch.equal(rx.view(torch.uint8), ref_x)
+    assert torch.equal(rs, ref_s)
+    back = per_token_cast_back(rx, rs)
+    assert back.shape == (rx.shape[0], D)
+    strategy = {"alltoall": "rank", "hierarchical": "node", "allgather": "allgather"}[backend]
+    want = traffic_bytes(idxs, E, G, strategy, dispatch_row_bytes(D, 1, fp8=True, num_topk=K,
+                         with_topk_idx=True), 0)
+    got = _sum_stats(buf)
+    assert got[:2] == [want.dispatch_bytes_intra, want.dispatch_bytes_inter], (got, want)
+    cached = buf.dispatch(q[me], handle=handle)[0]
+    assert torch.equal(cached[0].view(torch.uint8), rx.view(torch.uint8))
+
+
+def case_low_latency(ctx, routing, G, D=8):
+    """low_latency_dispatch / combine vs the reference (per-expert slots, weighted combine)."""
+    from moeflow.ep import reference
+
+    E, me = routing["E"], ctx.rank
+    idxs, xs, ws = build(routing, D)
+    Tm = max(max(t.shape[0] for t in idxs), 1)
+    buf = ctx.buf("alltoall", G)
+    recv_x, count, handle, _, hook = buf.low_latency_dispatch(xs[me], idxs[me], Tm, E, use_fp8=False)
+    ref = reference.low_latency_dispatch(xs, idxs, Tm, E)
+    assert torch.equal(recv_x, ref[me][0]) and torch.equal(count, ref[me][1]), (count, ref[me][1])
+    out, _, _ = buf.low_latency_combine(recv_x * (me + 1), idxs[me], ws[me], handle)
+    outr = reference.low_latency_combine([ref[r][0] * (r + 1) for r in range(ctx.world)], idxs, ws, E)
+    assert torch.equal(out, outr[me]), (out - outr[me]).abs().max()
+    if D % 128 == 0:
+        (fx, fs), count8, _, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], Tm, E, use_fp8=True)
+        assert torch.equal(count8, count) and fx.dtype == torch.float8_e4m3fn
+
+
+def _expect(fn, *needles):
+    try:
+        fn()
+    except ValueError as exc:
+        msg = str(exc)
+        for n in needles:
+            assert n in msg, f"{n!r} not in {msg!r}"
+        return
+    raise AssertionError(f"no ValueError (expected one mentioning {needles})")
+
+
+def case_bad_inputs(ctx, G):
+    """Every rank makes the same mistake at once, so each raises before any collective."""
+    from moeflow.ep import Buffer, per_token_cast_to_fp8
+
+    R = ctx.world
+    E = 2 * R
+    buf = ctx.buf("alltoall", G)
+    x = torch.randn(3, 8)
+    idx = torch.tensor([[0, 1], [1, -1], [E - 1, 0]])
+    _expect(lambda: buf.get_dispatch_layout(idx.clone().fill_(E), E), "topk_idx", str(E), "-1")
+    _expect(lambda: buf.dispatch(x, topk_idx=idx.clone().fill_(-2), num_experts=E), "-2")
+    _expect(lambda: buf.dispatch(x, topk_idx=idx.int(), num_experts=E), "int64")
+    _expect(lambda: buf.dispatch(x, topk_idx=idx[:, 0], num_experts=E), "2-D")
+    _expect(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=torch.rand(3, 2).double(), num_experts=E),
+            "topk_weights", "float32")
+    _expect(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=torch.rand(3), num_experts=E), "topk_weights")
+    _expect(lambda: buf.dispatch(x.int(), topk_idx=idx, num_experts=E), "x must be")
+    _expect(lambda: buf.dispatch(x[0], topk_idx=idx, num_experts=E), "x must be")
+    if R > 1:
+        _expect(lambda: buf.dispatch(x, topk_idx=idx, num_experts=E + 1), "num_experts", str(E + 1), str(R))
+    _expect(lambda: buf.dispatch(x, topk_idx=idx), "num_tokens_per_expert")
+    q = per_token_cast_to_fp8(torch.randn(3, 128))
+    _expect(lambda: buf.dispatch((q[0][:, :100], q[1]), topk_idx=idx, num_experts=E), "128", "100")
+    _expect(lambda: per_token_cast_to_fp8(torch.randn(3, 100)), "128")
+    _expect(lambda: Buffer(ctx.group, ranks_per_node=3 if R != 3 else 2), "ranks_per_node", str(R))
+    _expect(lambda: Buffer(ctx.group, backend="alltoal"), "backend", "alltoall")
+    # auto: hierarchical when the group spans several nodes, else alltoall
+    assert Buffer(ctx.group, ranks_per_node=1).backend_name == ("hierarchical" if R > 1 else "alltoall")
+    assert Buffer(ctx.group, ranks_per_node=R).backend_name == "alltoall"
+    _expect(lambda: buf.dispatch(x, topk_idx=idx, num_experts=E, num_worst_tokens=-1), "num_worst_tokens")
+    _expect(lambda: buf.dispatch(x, topk_idx=idx, num_experts=E, expert_alignment=0), "expert_alignment")
+    # Handles: another buffer, another hidden size (one real dispatch, done by every rank).
+    other = Buffer(ctx.group, backend="alltoall", ranks_per_node=G, timeout_s=ctx.timeout_s)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, num_experts=E)
+    _expect(lambda: other.combine(recv_x, handle), "another Buffer")
+    _expect(lambda: buf.combine(torch.zeros(recv_x.shape[0], 16), handle), "hidden size", "16", "8")
+    _expect(lambda: buf.dispatch(torch.zeros(3, 16), handle=handle), "hidden size")
+    _expect(lambda: buf.dispatch(x, handle=handle, topk_idx=idx), "cached dispatch")
+    buf.combine(recv_x, handle)
+    # num_worst_tokens too small: every rank sees all counts and raises together (no hang).
+    _expect(lambda: buf.dispatch(x, topk_idx=idx, num_experts=E, num_worst_tokens=1), "num_worst_tokens = 1",
+            "too small")
+    # Low-latency: too many tokens, duplicate experts.
+    _expect(lambda: buf.low_latency_dispatch(x, idx, 2, E, use_fp8=False), "num_max_dispatch_tokens_per_rank")
+    _expect(lambda: buf.low_latency_dispatch(x, torch.tensor([[0, 0], [1, -1], [0, 1]]), 4, E, use_fp8=False),
+            "same expert twice")
+    if torch.cuda.is_available() is False:
+        try:
+            Buffer(ctx.group, backend="deep_ep")
+        except RuntimeError as exc:
+            assert "CUDA" in str(exc) and "backend='auto'" in str(exc)
+        else:
+            raise AssertionError("deep_ep on CPU should raise")
+
+
+def case_timeout(ctx, backend="alltoall"):
+    """Rank 1 never calls dispatch: rank 0 gets a TimeoutError naming the operation, not a hang."""
+    from moeflow.ep import Buffer
+
+    buf = Buffer(ctx.group, backend=backend, ranks_per_node=1, timeout_s=1.0)
+    if ctx.rank == 1:
+        time.sleep(4.0)
+        return
+    t0 = time.time()
+    try:
+        buf.dispatch(torch.randn(2, 8), topk_idx=torch.tensor([[0], [1]]), num_experts=ctx.world * 2)
+    except TimeoutError as exc:
+        assert "Buffer.dispatch" in str(exc) and "timeout_s" in str(exc), str(exc)
+        assert time.time() - t0 < 3.5
+        return
+    raise AssertionError("no TimeoutError")
+
+
+def case_moe(ctx, backend, G, shared=True, T=5, E=8, K=2, dim=16):
+    """ExpertParallelMoE vs the single-process MoE on all ranks' tokens: output and every gradient."""
+    from moeflow.ep.moe_layer import ExpertParallelMoE
+    from moeflow.models.config import ModelConfig, MoEConfig
+    from moeflow.models.moe import MoE
+
+    R, me = ctx.world, ctx.rank
+    cfg = ModelConfig(dim=dim, moe=MoEConfig(num_experts=E, top_k=K, ffn_dim=12,
+                                             num_shared_experts=1 if shared else 0, expert_impl="loop"))
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    ep = ExpertParallelMoE(copy.deepcopy(moe), ctx.group, backend=backend, ranks_per_node=G)
+    g = torch.Generator().manual_seed(5)
+    x_all = torch.randn(R * T, dim, generator=g)
+    gy_all = torch.randn(R * T, dim, generator=g)
+    x_ref = x_all.clone().requires_grad_()
+    y_ref = moe(x_ref)
+    (y_ref * gy_all).sum().backward()
+    x = x_all[me * T:(me + 1) * T].clone().requires_grad_()
+    y = ep(x)
+    (y * gy_all[me * T:(me + 1) * T]).sum().backward()
+    tol = dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(y, y_ref[me * T:(me + 1) * T], **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad[me * T:(me + 1) * T], **tol)
+    L = E // R
+    for name in ("w1", "w3", "w2"):
+        torch.testing.assert_close(getattr(ep.experts, name).grad,
+                                   getattr(moe.experts, name).grad[me * L:(me + 1) * L], **tol)
+    replicated = {n: p for n, p in ep.named_parameters() if not n.startswith("experts.")}
+    for n, p in replicated.items():
+        grad = p.grad.clone()
+        if dist.is_initialized():
+            dist.all_reduce(grad)  # data parallelism's job; the layer leaves local-token gradients
+        torch.testing.assert_close(grad, dict(moe.named_parameters())[n].grad, **tol)
+
+
+CASES = {
+    "reference": case_reference, "oracle": case_oracle, "layout_only": case_layout_only, "fp8": case_fp8,
+    "low_latency": case_low_latency, "bad_inputs": case_bad_inputs, "timeout": case_timeout, "moe": case_moe,
+}
