@@ -113,8 +113,9 @@ def _set_grad_sync(model, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def train_step(cfg: JobConfig, s: Setup) -> dict:
-    """One optimizer step. Returns plain numbers (after one all-reduce of loss and expert load)."""
+def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True) -> dict:
+    """One optimizer step. Returns plain numbers (after one all-reduce of loss and expert load); the
+    per-layer expert statistics only when `with_moe_stats`, since they copy every layer to the host."""
     model, routers = s.model, s.model.moe_routers()
     model.train()
     inputs, targets = s.sampler.next_batch()
@@ -158,7 +159,8 @@ def train_step(cfg: JobConfig, s: Setup) -> dict:
         global_loads = packed[1 + len(dropped):].view(len(routers), -1)
         for (_, r), load_E in zip(routers, global_loads):
             r.update_bias(load_E)
-        out["moe"] = _moe_stats(routers, global_loads, numbers[1 : 1 + len(routers)], cfg, s)
+        if with_moe_stats:
+            out["moe"] = _moe_stats(routers, global_loads, numbers[1 : 1 + len(routers)], cfg, s)
     return out
 
 
@@ -239,7 +241,7 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
     t_window, steps_window = t_start, 0
     tokens_per_s = 0.0
     for step in range(start + 1, stop + 1):
-        out = train_step(cfg, s)
+        out = train_step(cfg, s, with_moe_stats=step % cfg.metrics.log_every == 0 or step == stop)
         steps_window += 1
         first_loss = out["loss"] if first_loss is None else first_loss
         last_loss = out["loss"]
