@@ -374,7 +374,35 @@ def case_moe(ctx, backend, G, shared=True, T=5, E=8, K=2, dim=16):
         torch.testing.assert_close(grad, dict(moe.named_parameters())[n].grad, **tol)
 
 
+def case_sim_bytes(ctx, routing, backend, G, dtype, layout_only, want, D=8):
+    """One dispatch + combine; this rank's buffer.stats must equal `want[rank]` (computed by the parent,
+    e.g. from moeflow.sim): [dispatch intra, dispatch inter, combine intra, combine inter] bytes."""
+    from moeflow.ep import per_token_cast_back, per_token_cast_to_fp8
+
+    E, me = routing["E"], ctx.rank
+    idxs, xs, ws = build(routing, D)
+    buf = ctx.buf(backend, G)
+    buf.reset_stats()
+    wire_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}[dtype]
+    x = per_token_cast_to_fp8(xs[me]) if dtype == "fp8" else xs[me].to(wire_dtype)
+    with torch.no_grad():
+        n_rank, n_node, n_exp, in_rank, _ = buf.get_dispatch_layout(idxs[me], E)
+        if layout_only:
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank)
+        else:
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+                x, num_tokens_per_rank=n_rank, num_tokens_per_rdma_rank=n_node, is_token_in_rank=in_rank,
+                num_tokens_per_expert=n_exp, topk_idx=idxs[me], topk_weights=ws[me])
+        if dtype == "fp8":  # fp8 in, bf16 out (DeepEP's combine dtype)
+            recv_x = per_token_cast_back(*recv_x).to(torch.bfloat16)
+        buf.combine(recv_x, handle, topk_weights=recv_w)
+    s = buf.stats
+    got = [s.dispatch_bytes_intra, s.dispatch_bytes_inter, s.combine_bytes_intra, s.combine_bytes_inter]
+    assert got == list(want[me]) and s.calls == 2, f"rank {me}: stats {got} ({s.calls} calls), want {want[me]}"
+
+
 CASES = {
     "reference": case_reference, "oracle": case_oracle, "layout_only": case_layout_only, "fp8": case_fp8,
     "low_latency": case_low_latency, "bad_inputs": case_bad_inputs, "timeout": case_timeout, "moe": case_moe,
+    "sim_bytes": case_sim_bytes,
 }

@@ -45,17 +45,27 @@ class Links:
         return max(t_intra, t_inter)
 
 
-def row_bytes(hidden: int, top_k: int, dtype: str = "bf16", with_ids: bool = True) -> tuple[int, int]:
-    """(dispatch row, combine row) in bytes for one token copy, per docs/ep-bytes.md."""
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
+
+
+def row_bytes(hidden: int, top_k: int, dtype: str = "bf16", with_ids: bool = True,
+              combine_dtype: str = "bf16") -> tuple[int, int]:
+    """(dispatch row, combine row) in bytes for one token copy, per docs/ep-bytes.md.
+
+    `dtype` is the dispatched x ('fp8' adds a float32 scale per 128 channels); `combine_dtype` the
+    combined x (bf16 by default, as DeepEP combines; 'fp8' is not a combine dtype). `with_ids`: the
+    dispatch carries int64 topk_idx and float32 topk_weights, and the combine the float32 weights.
+    """
+    for name, value, allowed in (("dtype", dtype, ELEMENT_BYTES), ("combine_dtype", combine_dtype,
+                                                                    ("fp32", "bf16"))):
+        if value not in allowed:
+            raise ValueError(f"{name} = {value!r} is not one of {list(allowed)}")
+    dispatch = hidden * ELEMENT_BYTES[dtype]
     if dtype == "fp8":
-        dispatch = hidden + hidden // 128 * 4  # e4m3 values + float32 scale per 128 channels
-    elif dtype == "bf16":
-        dispatch = hidden * 2
-    else:
-        raise ValueError(f"dispatch dtype = {dtype!r} is not one of ['bf16', 'fp8']")
+        dispatch += hidden // 128 * 4  # float32 scale per 128 channels
     if with_ids:
         dispatch += top_k * 8 + top_k * 4  # int64 topk_idx + float32 topk_weights
-    combine = hidden * 2 + (top_k * 4 if with_ids else 0)  # combine in bf16 (+ weights)
+    combine = hidden * ELEMENT_BYTES[combine_dtype] + (top_k * 4 if with_ids else 0)  # (+ weights)
     return dispatch, combine
 
 
@@ -100,13 +110,28 @@ def check_topology(num_experts: int, ep: int, ranks_per_node: int) -> None:
         )
 
 
-def count_copies(topk_idx_RTK: np.ndarray, num_experts: int, ranks_per_node: int, strategy: str) -> Copies:
-    """Exact per-rank copy counts of one dispatch for `strategy` (docs/ep-bytes.md), vectorised."""
+def count_copies(topk_idx_RTK: np.ndarray, num_experts: int, ranks_per_node: int, strategy: str,
+                 num_tokens_R=None) -> Copies:
+    """Exact per-rank copy counts of one dispatch for `strategy` (docs/ep-bytes.md), vectorised.
+
+    `num_tokens_R` ([R] ints, optional) makes a ragged routing fit one array: only the first
+    num_tokens_R[s] rows of rank s are tokens, the rest is padding. It matters for 'allgather', which
+    sends every token whatever its routing (so a padding row of -1 would count as a token); for the
+    other strategies a padding row sends nothing, like a token routed to no expert.
+    Combine sends the same copies back, so a rank's combine sends are its dispatch receives (recv_*_R).
+    """
     R, T, K = topk_idx_RTK.shape
     G = ranks_per_node
     check_topology(num_experts, R, G)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy = {strategy!r} is not one of {list(STRATEGIES)}")
+    if num_tokens_R is None:
+        tokens_R = np.full(R, T, dtype=np.int64)
+    else:
+        tokens_R = np.asarray(num_tokens_R, dtype=np.int64)
+        if tokens_R.shape != (R,) or (tokens_R < 0).any() or (tokens_R > T).any():
+            raise ValueError(f"num_tokens_R must be {R} ints in [0, {T}], got {np.asarray(num_tokens_R).tolist()}")
+        topk_idx_RTK = np.where((np.arange(T) < tokens_R[:, None])[:, :, None], topk_idx_RTK, -1)
     src_R11 = np.arange(R).reshape(R, 1, 1)
     zeros = lambda: np.zeros(R, dtype=np.float64)
     out = Copies(zeros(), zeros(), zeros(), zeros())
@@ -119,9 +144,13 @@ def count_copies(topk_idx_RTK: np.ndarray, num_experts: int, ranks_per_node: int
         recv += np.bincount(r, minlength=R)
 
     if strategy == "allgather":
+        # rank s sends its T_s tokens to every other rank; rank r receives every other rank's tokens
         local = min(G, R) - 1
-        out.send_intra_R[:] = out.recv_intra_R[:] = T * local
-        out.send_inter_R[:] = out.recv_inter_R[:] = T * (R - 1 - local)
+        node_total_R = np.bincount(np.arange(R) // G, weights=tokens_R)[np.arange(R) // G]
+        out.send_intra_R[:] = tokens_R * local
+        out.send_inter_R[:] = tokens_R * (R - 1 - local)
+        out.recv_intra_R[:] = node_total_R - tokens_R
+        out.recv_inter_R[:] = tokens_R.sum() - node_total_R
         return out
 
     valid_RTK = topk_idx_RTK >= 0
