@@ -154,7 +154,8 @@ def test_bf16_autocast_trains(tiny_args, tmp_path):
 
 def test_expert_parallel_run_matches_one_process_and_resumes(tiny_args, tmp_path):
     """ep=2 over 2 ranks (each keeps 2 of the 4 experts; tokens travel through moeflow.ep) trains the same
-    steps as one process, and a run stopped at step 2 resumes to step 4 on the same losses."""
+    steps as one process, a run stopped at step 2 resumes to step 4 on the same losses, and its
+    checkpoint resumes in one process (experts resharded from ep=2 to ep=1)."""
     args = ["train", *tiny_args, "--training.steps=4", "--no-progress"]
     one = run_cli([*args, f"--run-dir={tmp_path / 'one'}"])
     assert one.returncode == 0, one.stderr
@@ -168,5 +169,11 @@ def test_expert_parallel_run_matches_one_process_and_resumes(tiny_args, tmp_path
     assert sorted(b) == [1, 2, 3, 4]
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5)
-    wrong = run_cli([*args, f"--run-dir={tmp_path / 'ep'}", "--training.steps=6"])
-    assert wrong.returncode == 2 and "saved with parallel.ep=2" in wrong.stderr
+    # The ep=2 checkpoint reshards: one process continues it to step 6 on the losses of the 1-process run.
+    for run in ("one", "ep"):
+        more = run_cli([*args, f"--run-dir={tmp_path / run}", "--training.steps=6", "--resume"])
+        assert more.returncode == 0, more.stderr[-3000:]
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "ep")
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in (5, 6):
+        assert b[step] == pytest.approx(a[step], rel=1e-5)

@@ -45,6 +45,7 @@ def shard_moe_experts(moe: MoE, group=None) -> MoE:
         for name in ("w1", "w3", "w2"):
             getattr(local, name).copy_(getattr(full, name)[rank * L:(rank + 1) * L])
     local.to(full.w1.device)
+    local.expert_offset = rank * L  # global id of local expert 0 (checkpoints store experts by global id)
     moe.experts = local
     moe.ep_sharded, moe.ep_rank, moe.ep_size = True, rank, R
     return moe

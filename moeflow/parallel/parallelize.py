@@ -46,10 +46,14 @@ def parallelize(
         if getattr(dims, key) > 1:
             raise ValueError(f"parallel.{key} = {getattr(dims, key)}: {what} is not supported yet; "
                              f"set --parallel.{key}=1 (data and expert parallelism are)")
-    if zero not in (2, 3) and dims.dp > 1:
-        raise ValueError(f"parallel.zero = {zero} is not supported yet; use 2 or 3 (FSDP2)")
+    if zero not in (1, 2, 3):
+        raise ValueError(f"parallel.zero = {zero}; use 1 (replicated parameters, sharded optimizer state), "
+                         f"2 (FSDP2, parameters kept gathered between forward and backward) or 3 (FSDP2)")
+    if zero == 1 and dims.dp < world:
+        raise ValueError(f"parallel.zero = 1 with {dims.describe()} is not supported yet: ZeRO-1 runs pure data "
+                         f"parallelism only; use --parallel.zero=3 (or 2) with tp, pp or ep")
     apply_activation_checkpointing(model.layers, activation_checkpointing)
-    model.parallel_dims, model.device_mesh = dims, None
+    model.parallel_dims, model.device_mesh, model.zero = dims, None, zero
     if world == 1:
         return model
 
@@ -58,6 +62,12 @@ def parallelize(
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     mesh = dims.build_mesh(device_type)
     model.device_mesh = mesh
+    if zero == 1:
+        # ZeRO-1 (Rajbhandari et al. 2020, stage 1): every rank keeps all parameters and gradients; the
+        # trainer averages gradients with all_reduce_gradients and the optimizer (ZeroRedundancyOptimizer)
+        # keeps 1/dp of the state on each rank.
+        model.grad_group = dist.group.WORLD  # ZeRO-1 is pure data parallelism (checked above)
+        return model
     fsdp = {"reshard_after_forward": zero == 3}
     if mixed_precision is not None:
         fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
@@ -95,7 +105,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     sq = torch.stack([g.float().pow(2).sum() for g in local]).sum() if local else torch.zeros(())
     dims = getattr(model, "parallel_dims", None)
-    if dist.is_initialized() and dims is not None and dims.world_size > 1:
+    replicated = getattr(model, "grad_group", None) is not None  # ZeRO-1: every rank has the whole gradient
+    if dist.is_initialized() and dims is not None and dims.world_size > 1 and not replicated:
         dist.all_reduce(sq)
         sq = sq / dims.dp_replicate
     norm = sq.sqrt()
@@ -103,3 +114,19 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(local, coef)
     return norm
+
+
+def all_reduce_gradients(model: nn.Module) -> None:
+    """ZeRO-1: average the gradients over the data-parallel ranks, in one flat buffer (one collective
+    instead of one per tensor, as DDP's buckets do). No-op for layouts whose wrappers reduce themselves."""
+    group = getattr(model, "grad_group", None)
+    if group is None:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

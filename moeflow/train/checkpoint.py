@@ -3,7 +3,7 @@
 Atomic: every rank writes into step-N.tmp/; when all are done, rank 0 writes a manifest (COMPLETE.json:
 each file's size) and renames the folder. A folder without a manifest, or whose files do not match
 it, is refused on resume (and the previous complete one is used), so a crash mid-save loses nothing.
-Because DCP stores tensors by fully-qualified name, a checkpoint reloads under another layout.
+Keys are layout-independent (moeflow.train.state), so a checkpoint reloads under another layout.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from moeflow.train import state
 from moeflow.train.distributed import barrier, broadcast_object
 
 MANIFEST = "COMPLETE.json"
-_EP_TAG = re.compile(r"@ep\d+of\d+")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -52,33 +51,12 @@ def verify(path: Path) -> str | None:
     return None
 
 
-def _expert_tag(model) -> str:
-    """A per-EP-rank key suffix for expert tensors ('' without expert parallelism).
-
-    Under EP each rank holds different experts under the same parameter name; DCP would keep only
-    one rank's copy of a name, so each EP rank's experts are stored under their own key. (Resuming
-    under another EP size therefore needs the same ep; resharding experts is future work.)
-    """
-    dims = getattr(model, "parallel_dims", None)
-    if dims is None or dims.ep == 1:
-        return ""
-    return f"@ep{dims.submesh(model.device_mesh, 'ep').get_local_rank()}of{dims.ep}"
+FORMAT = 2  # flat, layout-independent keys (moeflow.train.state); 1 was nested with per-EP-rank expert keys
 
 
-def _tag_experts(model_sd: dict, optim_sd: dict, tag: str) -> tuple[dict, dict]:
-    """Rename expert keys (model and optimizer state) to carry `tag`; tag '' strips any tag."""
-
-    def rename(key: str) -> str:
-        key = _EP_TAG.sub("", key)
-        return key + tag if tag and ".experts." in key else key
-
-    model_sd = {rename(k): v for k, v in model_sd.items()}
-    optim_sd = dict(optim_sd)
-    optim_sd["state"] = {rename(k): v for k, v in optim_sd.get("state", {}).items()}
-    optim_sd["param_groups"] = [
-        {**g, "params": [rename(k) for k in g["params"]]} for g in optim_sd.get("param_groups", [])
-    ]
-    return model_sd, optim_sd
+def model_parts(model) -> list:
+    """The modules that hold this rank's parameters: the model, or its pipeline stages."""
+    return list(getattr(model, "parts", [model]))
 
 
 class CheckpointManager:
@@ -107,17 +85,17 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        model_sd, optim_sd = _tag_experts(*get_state_dict(model, optimizer), _expert_tag(model))
+        flat = state.gather(model_parts(model), optimizer)
         with warnings.catch_warnings():  # DCP warns that a 1-process save is a 1-process save
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            dcp.save(flat, checkpoint_id=str(tmp))
         # RNG state differs per rank, so each rank keeps its own small file.
         torch.save({"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                    tmp / f"rng-rank{self.rank}.pt")
         barrier()
         if self.rank == 0:
-            (tmp / "extra.json").write_text(json.dumps(extra, indent=1))
+            (tmp / "extra.json").write_text(json.dumps({**extra, "format": FORMAT}, indent=1))
             files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
             with open(tmp / MANIFEST, "w") as fh:
                 json.dump({"step": step, "files": files}, fh, indent=1)
@@ -134,20 +112,24 @@ class CheckpointManager:
 
     def load(self, path: Path, model, optimizer) -> dict:
         extra = json.loads((path / "extra.json").read_text())
-        dims = getattr(model, "parallel_dims", None)
-        saved_ep, ep = extra.get("ep", 1), dims.ep if dims is not None else 1
-        if saved_ep != ep:
+        if extra.get("format") != FORMAT:
             raise ValueError(
-                f"checkpoint {path} was saved with parallel.ep={saved_ep}; resuming with ep={ep} is not "
-                f"supported yet: use --parallel.ep={saved_ep} or start a new --run-dir"
+                f"checkpoint {path} was written by an older moeflow (format {extra.get('format', 1)}, this one "
+                f"reads {FORMAT}); start a new --run-dir or pass --fresh"
             )
-        model_sd, optim_sd = _tag_experts(*get_state_dict(model, optimizer), _expert_tag(model))
-        state = {"model": model_sd, "optim": optim_sd}
+        parts = model_parts(model)
+        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        flat = state.placeholders(parts, optimizer, saved)
+        missing = sorted(set(flat) - saved)
+        if missing:
+            raise ValueError(
+                f"checkpoint {path} lacks {len(missing)} tensors this model needs (first: {missing[:3]}); "
+                f"was it saved from another model? Start a new --run-dir or pass --fresh"
+            )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path))
-        model_sd, optim_sd = _tag_experts(state["model"], state["optim"], "")
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            dcp.load(flat, checkpoint_id=str(path))
+        state.apply(parts, optimizer, flat)
         rng_file = path / f"rng-rank{self.rank}.pt"
         if rng_file.is_file():  # absent when resuming with more ranks than were saved
             rng = torch.load(rng_file, weights_only=False)

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from moeflow.config import JobConfig, to_toml
 from moeflow.models.transformer import Transformer
 from moeflow.parallel.dims import ParallelDims
-from moeflow.parallel.parallelize import clip_grad_norm_, parallelize
+from moeflow.parallel.parallelize import all_reduce_gradients, clip_grad_norm_, parallelize
 from moeflow.train.checkpoint import CheckpointManager
 from moeflow.train.data import BatchSampler, load_tokens, split_tokens, val_batches
 from moeflow.train.distributed import DistInfo, all_reduce_sum, init_distributed
@@ -95,7 +95,8 @@ def build(cfg: JobConfig, info: DistInfo) -> Setup:
     val = val_batches(val_tokens, d.seq_len, t.global_batch, cfg.eval.batches)
     layout = "1 process"
     if info.world_size > 1:
-        layout = f"{dims.describe()} ({info.world_size} ranks, FSDP2 ZeRO-{p.zero})"
+        dp_kind = "ZeroRedundancyOptimizer" if p.zero == 1 else "FSDP2"
+        layout = f"{dims.describe()} ({info.world_size} ranks, {dp_kind} ZeRO-{p.zero})"
     accum = t.global_batch // dp // micro
     for _, router in model.moe_routers():
         router.aux_loss_scale = 1.0 / accum  # the aux loss is per micro-batch, like the main loss
@@ -134,6 +135,7 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True) -> dict:
         for i, (_, r) in enumerate(routers):  # read right after forward: recomputation rewrites it
             loads[i] += r.last_load
             dropped[i] += r.last_dropped
+    all_reduce_gradients(model)
     clip = cfg.training.grad_clip if cfg.training.grad_clip > 0 else float("inf")
     grad_norm = clip_grad_norm_(model, clip)
     # One all-reduce for everything logged; its .tolist() is the step's one host sync, needed anyway
@@ -220,6 +222,10 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
         extra = ckpt.load(resume_from, s.model, s.optimizer)
         start = extra["step"]
         s.scheduler.load_state_dict(extra["scheduler"])
+        # Checkpoints keep no optimizer hyper-parameters (they come from the config), so the learning rate
+        # of the next step is restored from the schedule.
+        for group, lr in zip(s.optimizer.param_groups, s.scheduler.get_last_lr()):
+            group["lr"] = lr
         s.sampler.load_state_dict(extra["sampler"])
         if info.is_main:
             _truncate_metrics(run_dir / "metrics.jsonl", start)
@@ -267,7 +273,7 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
             logger.log(step, record)
         if cfg.checkpoint.enabled and (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or is_last):
             extra = {"step": step, "scheduler": s.scheduler.state_dict(), "sampler": s.sampler.state_dict(),
-                     "ep": cfg.parallel.ep}
+                     "layout": s.layout}
             last_ckpt = ckpt.save(step, s.model, s.optimizer, extra)
         bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.1e}", tok_s=f"{tokens_per_s:,.0f}")
         bar.update(1)

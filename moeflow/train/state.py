@@ -1,0 +1,150 @@
+"""Model and optimizer state as one flat, layout-independent dict, so a checkpoint reshards.
+
+Keys are the fully-qualified names of the single-device model (every parallel layout keeps them):
+`model.<fqn>` for parameters and persistent buffers and `optim.state.<fqn>.<key>` for optimizer state.
+Values are whatever the layout holds - DTensors under FSDP2 / TP, plain tensors otherwise - and DCP
+(torch.distributed.checkpoint) stores them by global shape, so any other layout can read any region.
+
+Two things DCP cannot reshard on its own, handled here:
+- Experts under expert parallelism: each EP rank holds a different slice [E/ep, ...] under the same
+  name. They are stored one expert per key (`<fqn>.<global expert id>`) under every layout, so a
+  checkpoint from ep=2 loads under ep=4 or ep=1.
+- Parameters spread over several stage modules (pipeline parallelism) and optimizers that hold only
+  a partition of the state (ZeRO-1): both are handled by walking parameters by identity rather than
+  asking torch for one module's state dict.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def _local_optimizer(optimizer):
+    """The optimizer that holds this rank's state (ZeroRedundancyOptimizer keeps a partition in .optim)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def expert_slices(parts: list[nn.Module]) -> dict[str, tuple[int, int]]:
+    """{fqn of an expert weight: (first global expert id held here, experts held here)}."""
+    from moeflow.models.moe import GroupedExperts
+
+    out = {}
+    for part in parts:
+        for name, module in part.named_modules():
+            if isinstance(module, GroupedExperts):
+                first = getattr(module, "expert_offset", 0)
+                for w in EXPERT_WEIGHTS:
+                    out[f"{name}.{w}"] = (first, module.num_experts)
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    # Experts are FSDP-sharded over a few ranks that hold the same experts: gather them (one layer at a
+    # time, inside that small group) so each expert can be written under its own key.
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _param_names(parts: list[nn.Module]) -> dict[int, str]:
+    return {id(p): n for part in parts for n, p in part.named_parameters()}
+
+
+def gather(parts: list[nn.Module], optimizer) -> dict[str, torch.Tensor]:
+    """The flat state to save (see the module docstring)."""
+    experts = expert_slices(parts)
+    flat: dict[str, torch.Tensor] = {}
+
+    def put(key: str, fqn: str, value: torch.Tensor) -> None:
+        if fqn in experts and value.dim() > 0:
+            first, count = experts[fqn]
+            full = _full(value)
+            for i in range(count):
+                flat[f"{key}.{first + i}"] = full[i].clone()
+        else:
+            flat[key] = value
+
+    for part in parts:
+        for fqn, value in part.state_dict().items():
+            put(f"model.{fqn}", fqn, value)
+    names = _param_names(parts)
+    local = _local_optimizer(optimizer)
+    for group in local.param_groups:
+        for p in group["params"]:
+            for k, v in local.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    put(f"optim.state.{names[id(p)]}.{k}", names[id(p)], v)
+    return flat
+
+
+def placeholders(parts: list[nn.Module], optimizer, saved_keys: set[str]) -> dict[str, torch.Tensor]:
+    """Tensors shaped like what this rank owns under the current layout, for DCP to load into.
+
+    Optimizer entries are created only for keys the checkpoint has (a fresh optimizer has no state yet).
+    """
+    experts = expert_slices(parts)
+    flat: dict[str, torch.Tensor] = {}
+
+    def want(key: str, fqn: str, like: torch.Tensor) -> None:
+        if fqn in experts and like.dim() > 0:
+            first, count = experts[fqn]
+            shape = like.shape[1:]
+            for i in range(count):
+                flat[f"{key}.{first + i}"] = torch.empty(shape, dtype=like.dtype, device=_device(like))
+        else:
+            flat[key] = torch.empty_like(like)
+
+    for part in parts:
+        for fqn, value in part.state_dict().items():
+            want(f"model.{fqn}", fqn, value)
+    names = _param_names(parts)
+    local = _local_optimizer(optimizer)
+    for group in local.param_groups:
+        for p in group["params"]:
+            fqn = names[id(p)]
+            prefix = f"optim.state.{fqn}."
+            for state_key in _state_keys(saved_keys, prefix):
+                if state_key == "step":
+                    flat[prefix + state_key] = torch.zeros((), dtype=torch.float32)
+                else:
+                    want(prefix + state_key, fqn, p.data)
+    return flat
+
+
+def _state_keys(keys, prefix: str) -> list[str]:
+    """Optimizer state names (exp_avg, step, ...) stored under `prefix`, with or without an expert id."""
+    return sorted({k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)})
+
+
+def _device(t: torch.Tensor) -> torch.device:
+    return t.to_local().device if isinstance(t, DTensor) else t.device
+
+
+def apply(parts: list[nn.Module], optimizer, flat: dict[str, torch.Tensor]) -> None:
+    """Copy a loaded flat state into the model parts and the optimizer."""
+    experts = expert_slices(parts)
+
+    def take(key: str, fqn: str, like: torch.Tensor) -> torch.Tensor:
+        if fqn in experts and like.dim() > 0:
+            first, count = experts[fqn]
+            full = torch.stack([flat[f"{key}.{first + i}"] for i in range(count)])
+            if isinstance(like, DTensor):  # local chunking only: every rank in the group loaded the same
+                return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+            return full
+        return flat[key]
+
+    for part in parts:
+        sd = {fqn: take(f"model.{fqn}", fqn, v) for fqn, v in part.state_dict().items()}
+        part.load_state_dict(sd)
+    names = _param_names(parts)
+    local = _local_optimizer(optimizer)
+    for group in local.param_groups:
+        for p in group["params"]:
+            fqn = names[id(p)]
+            prefix = f"optim.state.{fqn}."
+            state_keys = _state_keys(flat, prefix)
+            if state_keys:
+                local.state[p] = {k: (flat[prefix + k] if k == "step" else take(prefix + k, fqn, p.data))
+                                  for k in state_keys}
