@@ -33,6 +33,12 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the effective config as TOML and exit")
     p.add_argument("--help-config", action="store_true", help="list every setting with its type and meaning")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the mesh and apply the layout in one process with a fake process group, print "
+                   "what each rank would hold (parameters, gradient and optimizer bytes), and exit; no training")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="with --dry-run: the number of ranks to plan for (default: --nproc-per-node or 1)")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print JSON instead of a table")
     return p
 
 
@@ -59,6 +65,17 @@ def cmd_train(argv: list[str]) -> int:
     cfg = load_config(args.config, overrides)  # validate before starting any process
     if args.print_config:
         print(to_toml(cfg), end="")
+        return 0
+    if args.world_size is not None and not args.dry_run:
+        raise ValueError("--world-size is only for --dry-run; to start processes use --nproc-per-node "
+                         "(or torchrun for several machines)")
+    if args.dry_run:
+        import json
+
+        from moeflow.train.dry_run import dry_run, format_dry_run
+
+        out = dry_run(cfg, args.world_size or args.nproc_per_node or 1)
+        print(json.dumps(out, indent=1) if args.json else format_dry_run(out))
         return 0
     nproc = args.nproc_per_node
     if nproc and nproc > 1 and "LOCAL_RANK" not in os.environ:

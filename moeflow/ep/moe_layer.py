@@ -40,11 +40,12 @@ def shard_moe_experts(moe: MoE, group=None) -> MoE:
         )
     L = E // R
     full = moe.experts
-    local = GroupedExperts(L, full.dim, full.hidden, impl=full.impl)
-    with torch.no_grad():
-        for name in ("w1", "w3", "w2"):
-            getattr(local, name).copy_(getattr(full, name)[rank * L:(rank + 1) * L])
-    local.to(full.w1.device)
+    with torch.device(full.w1.device):  # meta stays meta (dry runs): nothing to copy
+        local = GroupedExperts(L, full.dim, full.hidden, impl=full.impl)
+    if full.w1.device.type != "meta":
+        with torch.no_grad():
+            for name in ("w1", "w3", "w2"):
+                getattr(local, name).copy_(getattr(full, name)[rank * L:(rank + 1) * L])
     local.expert_offset = rank * L  # global id of local expert 0 (checkpoints store experts by global id)
     moe.experts = local
     moe.ep_sharded, moe.ep_rank, moe.ep_size = True, rank, R

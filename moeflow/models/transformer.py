@@ -119,7 +119,8 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if self.rope_cos.device.type != "meta":  # a meta model (dry runs) has no values to initialise
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

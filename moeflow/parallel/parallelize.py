@@ -84,14 +84,31 @@ def parallelize(
             if isinstance(block.feed_forward, MoE):
                 block.feed_forward = ExpertParallelMoE(block.feed_forward, ep_group, backend=ep_backend)
                 experts = block.feed_forward.experts
-                fully_shard(experts, mesh=expert_mesh, **fsdp)
+                fully_shard(experts, mesh=expert_mesh, shard_placement_fn=balanced_shard(expert_mesh.size()),
+                            **fsdp)
                 # FSDP averages over the expert mesh (dp / ep ranks), but each expert's gradient sums
                 # the tokens of all dp ranks (they arrive through the EP group): divide by dp instead.
                 experts.set_gradient_divide_factor(float(dims.dp))
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, **fsdp)
-    fully_shard(model, mesh=dp_mesh, **fsdp)
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=balanced_shard(dp_mesh.size()), **fsdp)
+    fully_shard(model, mesh=dp_mesh, shard_placement_fn=balanced_shard(dp_mesh.size()), **fsdp)
     return model
+
+
+def balanced_shard(ranks: int):
+    """FSDP2 shards dim 0 by default; a tensor with fewer rows than ranks (the local experts [E/ep, D, F]
+    when E/ep < the expert-sharding group, or a small matrix on a large mesh) would then sit whole on
+    the first ranks and nothing on the rest. Shard such tensors on their largest dim instead."""
+    from torch.distributed.tensor import Shard
+
+    def place(param: torch.Tensor):
+        if param.ndim == 0 or param.shape[0] >= ranks:
+            return Shard(0)
+        # FSDP2 shards dims other than 0 only evenly
+        even = [d for d in range(1, param.ndim) if param.shape[d] % ranks == 0]
+        return Shard(max(even, key=lambda d: param.shape[d])) if even else Shard(0)
+
+    return place
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:

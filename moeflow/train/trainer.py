@@ -24,7 +24,8 @@ from moeflow.train.checkpoint import CheckpointManager
 from moeflow.train.data import BatchSampler, load_tokens, split_tokens, val_batches
 from moeflow.train.distributed import DistInfo, all_reduce_sum, init_distributed
 from moeflow.train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_mb
-from moeflow.train.optim import build_optimizer, build_scheduler
+from moeflow.train.optim import build_optimizer as make_optimizer
+from moeflow.train.optim import build_scheduler
 from moeflow.train.tokenizer import load_tokenizer
 
 
@@ -67,6 +68,24 @@ def check_layout(cfg: JobConfig, world: int) -> tuple[ParallelDims, int]:
     return dims, micro
 
 
+def build_model(cfg: JobConfig, device: torch.device, build_optimizer: bool = True):
+    """(model, optimizer): the model built identically on every rank, then parallelized by cfg.parallel.
+    On the meta device (dry runs) nothing is allocated or initialised."""
+    t, p = cfg.training, cfg.parallel
+    if device.type == "meta":
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+    else:
+        model = Transformer(cfg.model)
+        model.init_weights(seed=t.seed)  # identical on every rank before sharding
+        model.to(device)
+    parallelize(model, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero,
+                activation_checkpointing=t.activation_checkpointing, ep_backend=p.ep_backend,
+                device_type="cpu" if device.type == "meta" else device.type)
+    optimizer = make_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2)) if build_optimizer else None
+    return model, optimizer
+
+
 def build(cfg: JobConfig, info: DistInfo) -> Setup:
     t, d = cfg.training, cfg.data
     dims, micro = check_layout(cfg, info.world_size)
@@ -82,25 +101,19 @@ def build(cfg: JobConfig, info: DistInfo) -> Setup:
     tokens = load_tokens(d.source, tokenizer, token_dtype=d.token_dtype, vocab_size=cfg.model.vocab_size,
                          max_bytes=d.max_bytes)
     train_tokens, val_tokens = split_tokens(tokens, d.val_fraction, d.seq_len)
-    model = Transformer(cfg.model)
-    model.init_weights(seed=t.seed)  # identical on every rank before sharding
-    model.to(info.device)
-    p = cfg.parallel
-    parallelize(model, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero,
-                activation_checkpointing=t.activation_checkpointing, ep_backend=p.ep_backend,
-                device_type=info.device.type)
+    model, optimizer = build_model(cfg, info.device)
     mesh = model.device_mesh
     dp_rank = ParallelDims.submesh(mesh, "dp").get_local_rank() if mesh is not None else 0
     sampler = BatchSampler(train_tokens, d.seq_len, t.global_batch, dp_rank, dp, t.seed)
     val = val_batches(val_tokens, d.seq_len, t.global_batch, cfg.eval.batches)
     layout = "1 process"
     if info.world_size > 1:
+        p = cfg.parallel
         dp_kind = "ZeroRedundancyOptimizer" if p.zero == 1 else "FSDP2"
         layout = f"{dims.describe()} ({info.world_size} ranks, {dp_kind} ZeRO-{p.zero})"
     accum = t.global_batch // dp // micro
     for _, router in model.moe_routers():
         router.aux_loss_scale = 1.0 / accum  # the aux loss is per micro-batch, like the main loss
-    optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2))
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
     return Setup(info, model, optimizer, scheduler, sampler, val, micro, accum, layout)
 

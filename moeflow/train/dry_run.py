@@ -1,0 +1,75 @@
+"""`moeflow train --dry-run --world-size N`: apply a layout to a meta model in one process.
+
+PyTorch's fake process group (torch.testing._internal.distributed.fake_pg; collectives return at once)
+lets one process play any rank of an N-rank job, so the mesh is built and the parallel plan applied
+exactly as training would - and the same validation errors are raised - with no rank started and no
+memory allocated (the model lives on the meta device). What comes out is what each rank would hold:
+parameter counts and parameter / gradient / optimizer bytes (fp32 weights and gradients, AdamW's two
+fp32 moments), for the first rank of every pipeline stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from moeflow.config import JobConfig
+
+BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 master weights and grads; AdamW exp_avg + exp_avg_sq
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+
+
+def rank_state(cfg: JobConfig, world_size: int, rank: int) -> dict:
+    """Build and parallelize the model as `rank` of `world_size` would; count what it holds."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moeflow.train.trainer import build_model, check_layout
+
+    dims, _ = check_layout(cfg, world_size)  # the same checks as a real run, before any group exists
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        model, optimizer = build_model(cfg, torch.device("meta"), build_optimizer=True)
+        parts = list(getattr(model, "parts", [model]))
+        params = {id(p): p for part in parts for p in part.parameters()}.values()
+        expert = sum(_local_numel(p) for part in parts for n, p in part.named_parameters() if ".experts." in n)
+        held = sum(_local_numel(p) for p in params)
+        local_opt = getattr(optimizer, "optim", optimizer)  # ZeRO-1 holds only its partition's state
+        opt_params = sum(_local_numel(p) for g in local_opt.param_groups for p in g["params"])
+        return {"rank": rank, "params": held, "expert_params": expert, "optimizer_params": opt_params,
+                "bytes": {"params": held * BYTES["params"], "grads": held * BYTES["grads"],
+                          "optimizer": opt_params * BYTES["optimizer"]},
+                "dims": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")}}
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run(cfg: JobConfig, world_size: int) -> dict:
+    """The first rank of every pipeline stage (ranks differ only by stage in what they hold)."""
+    if world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {world_size}")
+    pp = cfg.parallel.pp
+    stage_ranks = [s * (world_size // pp) for s in range(pp)] if world_size % pp == 0 else [0]
+    ranks = [rank_state(cfg, world_size, r) for r in stage_ranks]
+    total = cfg.model.num_params()
+    return {"world_size": world_size, "model": cfg.model.name, "total_params": total,
+            "ideal_params_per_rank": total / world_size, "ranks": ranks}
+
+
+def format_dry_run(out: dict) -> str:
+    gib = 1 << 30
+    dims = out["ranks"][0]["dims"]
+    lines = [f"dry run: {out['model']} ({out['total_params']:,} parameters) on {out['world_size']} ranks",
+             "  " + "  ".join(f"{k}={v}" for k, v in dims.items()),
+             f"  {'rank':>6} {'params':>14} {'of total':>9} {'experts':>14} {'param GiB':>10} {'grad GiB':>9} "
+             f"{'optim GiB':>10}"]
+    for r in out["ranks"]:
+        b = r["bytes"]
+        lines.append(f"  {r['rank']:>6} {r['params']:>14,} {r['params'] / out['total_params']:>9.2%} "
+                     f"{r['expert_params']:>14,} {b['params'] / gib:>10.3f} {b['grads'] / gib:>9.3f} "
+                     f"{b['optimizer'] / gib:>10.3f}")
+    lines.append(f"  ideal 1/N: {out['ideal_params_per_rank']:,.0f} parameters per rank")
+    return "\n".join(lines)
