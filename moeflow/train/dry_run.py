@@ -3,8 +3,8 @@
 PyTorch's fake process group (torch.testing._internal.distributed.fake_pg; collectives return at once)
 lets one process play any rank of an N-rank job, so the mesh is built and the parallel plan applied
 exactly as training would - and the same validation errors are raised - with no rank started and no
-memory allocated (the model lives on the meta device). What comes out is what each rank would hold:
-parameter counts and parameter / gradient / optimizer bytes (fp32 weights and gradients, AdamW's two
+memory allocated (the model lives on the meta device). What comes out is what each rank would hold at
+its peak: parameter counts and parameter / gradient / optimizer bytes (fp32 weights and gradients, AdamW's two
 fp32 moments), for the first rank of every pipeline stage.
 """
 
@@ -36,11 +36,15 @@ def rank_state(cfg: JobConfig, world_size: int, rank: int) -> dict:
         parts = list(getattr(model, "parts", [model]))
         params = {id(p): p for part in parts for p in part.parameters()}.values()
         expert = sum(_local_numel(p) for part in parts for n, p in part.named_parameters() if ".experts." in n)
-        held = sum(_local_numel(p) for p in params)
+        sharded = sum(_local_numel(p) for p in params)
+        # ZeRO-2 (FSDP2 without resharding after forward) holds every layer's gathered weights from its
+        # forward to its backward: at the peak, the whole (tp/ep-local) model.
+        held = sum(p.numel() for p in params) if cfg.parallel.zero == 2 else sharded
         local_opt = getattr(optimizer, "optim", optimizer)  # ZeRO-1 holds only its partition's state
         opt_params = sum(_local_numel(p) for g in local_opt.param_groups for p in g["params"])
+        grads = held if cfg.parallel.zero == 1 else sharded
         return {"rank": rank, "params": held, "expert_params": expert, "optimizer_params": opt_params,
-                "bytes": {"params": held * BYTES["params"], "grads": held * BYTES["grads"],
+                "bytes": {"params": held * BYTES["params"], "grads": grads * BYTES["grads"],
                           "optimizer": opt_params * BYTES["optimizer"]},
                 "dims": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")}}
     finally:
