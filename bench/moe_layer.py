@@ -10,6 +10,12 @@ What is timed (each case is one forward and one backward of the whole block, rou
   dense swiglu (autograd)       a dense SwiGLU over the same N rows through autograd (the floor plus activation
                                 and autograd overhead; shown for reference)
 
+Then, per architecture (--archs; Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3 by default), transformers' own sparse
+block of that architecture with random weights against moeflow's MoE built from it by
+moeflow.models.hf_live.moe_from_hf_block (same weights, same routing: softmax/sigmoid, renormalised or not,
+group-limited, shared experts), timed against each of transformers' experts implementations (eager,
+grouped_mm, batched_mm), with outputs and input gradients compared in the same run.
+
 Both models get identical weights (moeflow's are copied into HF's fused gate_up_proj layout), so the check
 at the start compares outputs and input gradients. Repeats of all cases are interleaved in a shuffled order
 so that noise from other processes on a shared machine falls on every case alike; the reported figure is
@@ -19,13 +25,14 @@ the median, and the targets are ratios measured in the same run (DESIGN.md, prin
     .venv/bin/python bench/moe_layer.py --quick     # a few repeats
     .venv/bin/python bench/moe_layer.py --tokens 4096 --experts 64 --topk 8 --hidden 512
 
-Writes bench/out/moe_layer.json and bench/out/moe_layer.png.
+Writes bench/out/moe_layer.json, bench/out/moe_layer.png and bench/out/moe_layer_archs.png.
 Shape suffixes: T tokens, K top-k, E experts, D model width, F expert width, N = T*K routed rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -218,6 +225,143 @@ def check_agreement(mf: dict, hf: dict, x, dy) -> dict:
     return out
 
 
+# ---- per-architecture blocks ---------------------------------------------------------------
+
+ARCHS = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
+HF_EXPERT_IMPLS = ("eager", "grouped_mm", "batched_mm")  # transformers 5's experts_implementation choices
+# batched_mm gathers each routed row's expert weights ([T*K, 2F, D]: GBs at the default shape) and is 20-40x slower
+# than the others on a CPU; timed in a few separate runs after the interleaved ones, so that its memory traffic
+# does not slow the cases it would be interleaved with.
+SEPARATE_IMPLS = ("batched_mm",)
+SEPARATE_REPEATS = 3
+
+
+def build_hf_arch_block(arch: str, E: int, K: int, D: int, F: int, seed: int):
+    """(transformers' sparse block of `arch` with weights of order 1/sqrt(fan-in), its config)."""
+    import transformers as t
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    attn = dict(hidden_size=D, num_attention_heads=4, num_key_value_heads=4, vocab_size=256)
+    if arch == "qwen3_moe":
+        cfg = t.Qwen3MoeConfig(**attn, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=K,
+                               norm_topk_prob=True)
+        block_cls = Qwen3MoeSparseMoeBlock
+    elif arch == "mixtral":
+        cfg = t.MixtralConfig(**attn, intermediate_size=F, num_local_experts=E, num_experts_per_tok=K)
+        block_cls = MixtralSparseMoeBlock
+    elif arch == "olmoe":
+        cfg = t.OlmoeConfig(**attn, intermediate_size=F, num_experts=E, num_experts_per_tok=K, norm_topk_prob=False)
+        block_cls = OlmoeSparseMoeBlock
+    else:
+        cfg = t.DeepseekV3Config(**attn, moe_intermediate_size=F, n_routed_experts=E, num_experts_per_tok=K,
+                                 n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                                 first_k_dense_replace=0)
+        block_cls = DeepseekV3MoE
+    cfg._experts_implementation = "eager"
+    block = block_cls(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+        for name, b in block.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+    return block, cfg
+
+
+def hf_block_with_impl(block, impl: str):
+    """A copy of `block` whose experts run transformers' `impl` path (the experts read their config's key)."""
+    twin = copy.deepcopy(block)
+    twin.experts.config._experts_implementation = impl
+    return twin
+
+
+def arch_section(args, x_BSD: torch.Tensor, dy_BSD: torch.Tensor) -> dict:
+    from moeflow.models.hf_live import moe_from_hf_block
+
+    E, K, D, F = args.experts, args.topk, args.hidden, args.ffn
+    cases, separate, agreement = [], [], {}
+    for arch in args.archs:
+        block, cfg = build_hf_arch_block(arch, E, K, D, F, args.seed)
+        mf = moe_from_hf_block(block, cfg)
+        y_ref, dx_ref = fwd_bwd(mf, x_BSD, dy_BSD)
+        agreement[arch] = {"output_scale": float(y_ref.abs().max())}
+        cases.append(module_case(f"{arch} moeflow[{mf.experts.resolve_impl(x_BSD)}]", mf, x_BSD, dy_BSD, "moeflow"))
+        for impl in HF_EXPERT_IMPLS:
+            twin = hf_block_with_impl(block, impl)
+            y, dx = fwd_bwd(twin, x_BSD, dy_BSD)
+            agreement[arch][impl] = {"output": max_abs(y, y_ref), "input_grad": max_abs(dx, dx_ref)}
+            (separate if impl in SEPARATE_IMPLS else cases).append(
+                module_case(f"{arch} hf[{impl}]", twin, x_BSD, dy_BSD, "hf"))
+    time_cases(cases, args.warmup, args.repeats, args.seed)
+    time_cases(separate, 0, min(args.repeats, SEPARATE_REPEATS), args.seed)  # fwd_bwd above was the warm-up
+    cases += separate
+    med = {c.name: statistics.median(c.times_ms) for c in cases}
+
+    print(f"\nper architecture: transformers' sparse block vs moeflow's MoE built from it (median ms, fwd+bwd, "
+          f"T={args.tokens} E={E} K={K} D={D} F={F})")
+    print(f"{'architecture':14s} {'moeflow':>9s} " + " ".join(f"{'hf[' + i + ']':>15s}" for i in HF_EXPERT_IMPLS)
+          + f" {'best hf/moeflow':>15s}  max abs diff (output, input grad)")
+    rows = {}
+    for arch in args.archs:
+        mf_name = next(c.name for c in cases if c.name.startswith(f"{arch} moeflow"))
+        hf_ms = {i: med[f"{arch} hf[{i}]"] for i in HF_EXPERT_IMPLS}
+        fastest = min(hf_ms, key=hf_ms.get)
+        worst = max((d["output"], d["input_grad"]) for k, d in agreement[arch].items() if k != "output_scale")
+        rows[arch] = {"moeflow_ms": med[mf_name], "moeflow_impl": mf_name.split()[1], "hf_ms": hf_ms,
+                      "fastest_hf": fastest, "speedup_vs_fastest_hf": ratio(hf_ms[fastest], med[mf_name]),
+                      "agreement": agreement[arch],
+                      "outputs_agree": max(worst) <= 1e-4 * max(1.0, agreement[arch]["output_scale"])}
+        print(f"{arch:14s} {med[mf_name]:9.2f} " + " ".join(f"{hf_ms[i]:15.2f}" for i in HF_EXPERT_IMPLS)
+              + f" {rows[arch]['speedup_vs_fastest_hf']:14.2f}x  {worst[0]:.1e}, {worst[1]:.1e}")
+    print(f"({', '.join(SEPARATE_IMPLS)}: median of {min(args.repeats, SEPARATE_REPEATS)} runs after the interleaved "
+          f"ones; the rest: {args.repeats} interleaved repeats)")
+    return {"rows": rows, "times_ms": {c.name: c.times_ms for c in cases}}
+
+
+def time_cases(cases: list, warmup: int, repeats: int, seed: int) -> None:
+    """Warm up, then `repeats` rounds over all cases in a shuffled order (noise falls on every case alike)."""
+    with torch.enable_grad():
+        for _ in range(warmup):
+            for c in cases:
+                c.run_once()
+        rng = random.Random(seed)
+        for _ in range(repeats):
+            order = cases[:]
+            rng.shuffle(order)
+            for c in order:
+                c.times_ms.append(c.run_once())
+
+
+def plot_archs(rows: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["moeflow", *(f"hf[{i}]" for i in HF_EXPERT_IMPLS)]
+    colors = ["tab:blue", "tab:orange", "tab:red", "tab:brown"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        vals = [r["moeflow_ms"] if name == "moeflow" else r["hf_ms"][name[3:-1]] for r in rows.values()]
+        xs = [i + j * width for i in range(len(rows))]
+        ax.bar(xs, vals, width, label=name, color=colors[j])
+        for x, v in zip(xs, vals):
+            ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], list(rows))
+    ax.set_yscale("log")  # batched_mm is ~100x the others on a CPU
+    ax.set_ylabel("median ms per forward+backward (log scale)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # ---- driver --------------------------------------------------------------------------------
 
 
@@ -258,8 +402,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eager", action="store_true", help="skip hf[eager] and moeflow[loop] (slow at large E)")
+    p.add_argument("--archs", default=",".join(ARCHS),
+                   help=f"architectures for the per-architecture table (comma list of {', '.join(ARCHS)}; '' skips)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out", help="folder for the JSON and PNG")
     args = p.parse_args(argv)
+    args.archs = [a for a in args.archs.split(",") if a]
+    unknown = set(args.archs) - set(ARCHS)
+    if unknown:
+        p.error(f"--archs: unknown {sorted(unknown)}; choose from {', '.join(ARCHS)}")
     if args.quick:
         args.repeats, args.warmup = 3, 1
     args.ffn = args.ffn or args.hidden
@@ -313,16 +463,7 @@ def main(argv=None) -> int:
     cases += [module_case(name, b, x_BSD, dy_BSD, "hf") for name, b in hf.items()]
     cases += [dense_mm_floor_case(N, D, F, gen), dense_swiglu_case(N, D, F, gen)]
 
-    with torch.enable_grad():
-        for _ in range(args.warmup):
-            for c in cases:
-                c.run_once()
-        rng = random.Random(args.seed)
-        for _ in range(args.repeats):
-            order = cases[:]
-            rng.shuffle(order)
-            for c in order:
-                c.times_ms.append(c.run_once())
+    time_cases(cases, args.warmup, args.repeats, args.seed)
 
     med = {c.name: statistics.median(c.times_ms) for c in cases}
     best = {c.name: min(c.times_ms) for c in cases}
@@ -376,6 +517,8 @@ def main(argv=None) -> int:
     )
     print(f"outputs agree (max abs diff {worst:.2e}): {agree_ok}")
 
+    archs = arch_section(args, x_BSD, dy_BSD) if args.archs else None
+
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "bench": "moe_layer",
@@ -388,6 +531,7 @@ def main(argv=None) -> int:
         "times_ms": {c.name: c.times_ms for c in cases},
         "agreement": agree,
         "targets": targets,
+        "architectures": archs,
     }
     json_path = args.out / "moe_layer.json"
     json_path.write_text(json.dumps(result, indent=2))
@@ -401,6 +545,14 @@ def main(argv=None) -> int:
         f"MoE block fwd+bwd, T={T} E={E} K={K} D={D} F={F} fp32, "
         f"{args.threads} threads\ntorch {torch.__version__}, transformers {info['transformers']}",
     )
+    if archs:
+        arch_png = args.out / "moe_layer_archs.png"
+        plot_archs(archs["rows"], arch_png, f"HF sparse blocks vs moeflow MoE, T={T} E={E} K={K} D={D} F={F} fp32, "
+                   f"{args.threads} threads\ntorch {torch.__version__}, transformers {info['transformers']}")
+        print(f"wrote {arch_png}")
+        if not all(r["outputs_agree"] for r in archs["rows"].values()):
+            print("per-architecture outputs DISAGREE")
+            return 1
     print(f"wrote {json_path} and {png_path}")
     return 0
 

@@ -1,4 +1,4 @@
-"""The `moeflow` command: train | plan | simulate | info."""
+"""The `moeflow` command: train | plan | simulate | convert | info."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ commands:
   train      train a model (config file + --section.key=value overrides); --help for details
   plan       choose a parallel layout for a model on a cluster (memory and time model)
   simulate   predict expert-parallel traffic at scale (`moeflow simulate ep --help`)
+  convert    Hugging Face folder <-> moeflow checkpoint (`moeflow convert --help`)
   info       versions, devices and available backends
 """
 
@@ -184,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             from moeflow.sim.cli import main as sim_main
 
             return sim_main(rest)
+        if cmd == "convert":
+            from moeflow.convert import main as convert_main
+
+            return convert_main(rest)
     except ValueError as e:
         # Bad input: one clear line, no traceback.
         print(f"moeflow {cmd}: error: {e}", file=sys.stderr)

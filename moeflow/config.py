@@ -92,7 +92,9 @@ class ParallelConfig:
     zero: int = 3
     """ZeRO stage of data parallelism: 1 (DDP + sharded optimizer), 2, or 3 (FSDP2)."""
     pp_schedule: str = "1F1B"
-    """Pipeline schedule name."""
+    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
+    pp_microbatches: int = 0
+    """Pipeline micro-batches per step; 0 = per-rank batch / training.micro_batch (one sequence each if unset)."""
     ep_backend: str = "auto"
     """moeflow.ep backend: 'auto', 'alltoall', 'hierarchical', 'allgather'."""
 
@@ -137,6 +139,10 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> JobConfig:
+        if self.model.hf_path:  # the architecture comes from the folder's config.json
+            from moeflow.models.hf import training_config
+
+            self.model = training_config(self.model)
         self.model.validate()
         t = self.training
         check_choice("training.dtype", t.dtype, ("fp32", "bf16"))
@@ -280,7 +286,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, typing.Any]
     values.update(overrides or {})
     cfg = JobConfig()
     if "model.name" in values:
-        cfg.model = get_preset(str(values["model.name"]))
+        name = str(values["model.name"])
+        # 'custom' (what to_toml writes for a model that is no preset) starts from the plain defaults.
+        cfg.model = ModelConfig(name="custom") if name == "custom" else get_preset(name)
     for key, value in values.items():
         if key != "model.name":
             _set(cfg, key, value)

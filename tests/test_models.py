@@ -596,6 +596,7 @@ PARAM_CASES = {
     "dense-qk-full": dict(qk_norm="full", n_kv_heads=1),
     "gqa-kv1-headdim": dict(n_kv_heads=1, head_dim=12),
     "gqa-kv2-full-headdim": dict(n_kv_heads=2, head_dim=6, qk_norm="full"),
+    "gqa-attention-bias": dict(n_kv_heads=2, attention_bias=True, qk_norm="per_head"),
     "moe": dict(moe=small_moe()),
     "moe-shared": dict(moe=small_moe(num_shared_experts=2)),
     "moe-shared-width": dict(moe=small_moe(num_shared_experts=1, shared_ffn_dim=40, first_k_dense=1)),

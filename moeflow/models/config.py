@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 SCORE_FUNCS = ("softmax", "sigmoid")
 ATTENTIONS = ("gqa", "mla")
 QK_NORMS = ("none", "per_head", "full")
+ROPE_SCALINGS = ("none", "llama3", "yarn")
 
 
 @dataclass
@@ -53,10 +54,39 @@ class MoEConfig:
     """None = dropless. Otherwise each expert takes at most ceil(cf * T * K / E) tokens; the rest drop."""
     expert_impl: str = "auto"
     """Grouped matmul path: 'auto' (fastest measured here), 'grouped_mm', 'bmm', 'loop'."""
+    norm_top1: bool = False
+    """With top_k = 1 and norm_topk_prob, normalise the single weight to exactly 1 as Hugging Face's Mixtral and
+    Qwen3-MoE do (the router then gets no gradient); by default the score is kept so the router still learns."""
 
     @property
     def shared_width(self) -> int:
         return self.num_shared_experts * (self.shared_ffn_dim or self.ffn_dim)
+
+
+@dataclass
+class RopeScaling:
+    """Long-context rescaling of the RoPE frequencies (Hugging Face's `rope_parameters`, formerly `rope_scaling`)."""
+
+    type: str = "none"
+    """'none', 'llama3' (Llama 3.1 and later) or 'yarn' (YaRN, Peng et al. 2023, arXiv:2309.00071; DeepSeek-V3)."""
+    factor: float = 1.0
+    """How many times longer than original_max_seq_len the context is made."""
+    original_max_seq_len: int = 0
+    """Context length the model was pre-trained with before the extension; 0 means model.max_seq_len."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths longer than original_max_seq_len / low_freq_factor are slowed down by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths shorter than original_max_seq_len / high_freq_factor are kept; those between blend."""
+    beta_fast: float = 32.0
+    """yarn: frequencies with more than beta_fast rotations over the original context are kept."""
+    beta_slow: float = 1.0
+    """yarn: frequencies with fewer than beta_slow rotations are interpolated (slowed down by factor)."""
+    mscale: float = 0.0
+    """yarn: numerator coefficient of the cos/sin magnitude correction (0 = the YaRN default 0.1 ln(factor) + 1)."""
+    mscale_all_dim: float = 0.0
+    """yarn: denominator coefficient of that correction; with MLA it also scales the softmax (DeepSeek-V3)."""
+    attention_factor: float = 0.0
+    """yarn: multiplier of cos and sin; 0 means derived from factor, mscale and mscale_all_dim."""
 
 
 @dataclass
@@ -83,6 +113,8 @@ class ModelConfig:
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
     """RoPE base."""
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    """Long-context rescaling of the RoPE frequencies (none by default)."""
     max_seq_len: int = 256
     """Longest sequence RoPE tables are built for."""
     tie_embeddings: bool = False
@@ -91,6 +123,8 @@ class ModelConfig:
     """RMSNorm on queries and keys: 'none', 'per_head' (Qwen3), 'full' (OLMoE, over all heads)."""
     attention: str = "gqa"
     """'gqa' (grouped-query attention) or 'mla' (DeepSeek multi-head latent attention)."""
+    attention_bias: bool = False
+    """GQA: biases on the query, key, value and output projections (a Hugging Face `attention_bias` option)."""
     q_lora_rank: int = 0
     """MLA: rank of the low-rank query projection (0 = full-rank query)."""
     kv_lora_rank: int = 512
@@ -101,10 +135,19 @@ class ModelConfig:
     """MLA: per-head decoupled RoPE width (the RoPE key is shared by all heads)."""
     v_head_dim: int = 128
     """MLA: per-head value width."""
+    rope_interleave: bool = False
+    """MLA: RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... - the layout of DeepSeek's checkpoints -
+    rather than the two halves of the RoPE width."""
+    latent_norm_eps: float = 0.0
+    """MLA: epsilon of the RMSNorms on the query and key/value latents; 0 means norm_eps (Hugging Face's
+    DeepSeek-V3 fixes it at 1e-6 whatever rms_norm_eps is)."""
     init_std: float = 0.02
     """Standard deviation of the normal weight init."""
     moe: MoEConfig = field(default_factory=lambda: MoEConfig(num_experts=0))
     """Experts; moe.num_experts == 0 makes every layer dense."""
+    hf_path: str = ""
+    """Load the architecture and weights from this Hugging Face folder (config.json + *.safetensors); its
+    architecture replaces the model.* settings, which keep only the training knobs (expert_impl, losses, ...)."""
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -133,6 +176,7 @@ class ModelConfig:
 
         check_choice("model.attention", self.attention, ATTENTIONS)
         check_choice("model.qk_norm", self.qk_norm, QK_NORMS)
+        self._validate_rope_scaling()
         for key in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"model.{key} must be positive, got {getattr(self, key)}")
@@ -184,6 +228,21 @@ class ModelConfig:
                 )
         return self
 
+    def _validate_rope_scaling(self) -> None:
+        from moeflow.errors import check_choice
+
+        r = self.rope_scaling
+        check_choice("model.rope_scaling.type", r.type, ROPE_SCALINGS)
+        if r.type == "none":
+            return
+        if r.factor <= 0:
+            raise ValueError(f"model.rope_scaling.factor must be positive, got {r.factor}")
+        if r.type == "llama3" and r.high_freq_factor <= r.low_freq_factor:
+            raise ValueError(
+                f"model.rope_scaling.high_freq_factor ({r.high_freq_factor}) must exceed low_freq_factor "
+                f"({r.low_freq_factor}); Llama 3.1 uses 4 and 1"
+            )
+
     # ---- parameter counts ----------------------------------------------------------------
     def attention_params(self) -> int:
         d = self.dim
@@ -197,7 +256,8 @@ class ModelConfig:
             return q + kv + h * v * d
         q, kv = self.n_heads * self.hd, self.kv_heads * self.hd
         norms = {"none": 0, "per_head": 2 * self.hd, "full": q + kv}[self.qk_norm]
-        return d * q + 2 * d * kv + q * d + norms
+        biases = q + 2 * kv + d if self.attention_bias else 0
+        return d * q + 2 * d * kv + q * d + norms + biases
 
     def dense_ffn_params(self) -> int:
         return 3 * self.dim * self.ffn_dim

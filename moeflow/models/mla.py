@@ -17,20 +17,28 @@ from moeflow.models.config import ModelConfig
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        from moeflow.models.transformer import RMSNorm
+        from moeflow.models.transformer import RMSNorm, yarn_mscale
 
         self.n_heads = cfg.n_heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
+        self.rope_interleave = cfg.rope_interleave
+        # YaRN lengthens the context by flattening attention; DeepSeek-V3 compensates in the softmax scale
+        # (its reference code multiplies it by mscale(factor, mscale_all_dim) squared).
+        self.softmax_scale = None  # scaled_dot_product_attention's default, 1 / sqrt(nope + rope)
+        if cfg.rope_scaling.type == "yarn" and cfg.rope_scaling.mscale_all_dim:
+            mscale = yarn_mscale(cfg.rope_scaling.factor, cfg.rope_scaling.mscale_all_dim)
+            self.softmax_scale = (self.nope + self.rope) ** -0.5 * mscale**2
+        latent_eps = cfg.latent_norm_eps or cfg.norm_eps
         qk_width = self.n_heads * (self.nope + self.rope)
         if cfg.q_lora_rank:
             self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, latent_eps)
             self.wq_b = nn.Linear(cfg.q_lora_rank, qk_width, bias=False)
         else:
             self.wq = nn.Linear(cfg.dim, qk_width, bias=False)
         self.wkv_a = nn.Linear(cfg.dim, self.kv_rank + self.rope, bias=False)
-        self.kv_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
+        self.kv_norm = RMSNorm(self.kv_rank, latent_eps)
         self.wkv_b = nn.Linear(self.kv_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_dim, cfg.dim, bias=False)
 
@@ -46,9 +54,18 @@ class MultiHeadLatentAttention(nn.Module):
         kv_BHSd = self.wkv_b(self.kv_norm(latent_BSL)).view(B, S, -1, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v_BHSDv = kv_BHSd.split([self.nope, self.v_dim], dim=-1)
 
+        k_pe_B1SDr = k_pe_BSDr.unsqueeze(1)
+        if self.rope_interleave:
+            # Pairs (x0, x1), (x2, x3), ... rotate together: gather evens then odds, and rotate-half applies.
+            # Queries and keys come out in the same (de-interleaved) order, so their dot products are unchanged.
+            q_pe, k_pe_B1SDr = _deinterleave(q_pe), _deinterleave(k_pe_B1SDr)
         q_pe = apply_rope(q_pe, cos_SDr, sin_SDr)
-        k_pe_B1SDr = apply_rope(k_pe_BSDr.unsqueeze(1), cos_SDr, sin_SDr)
+        k_pe_B1SDr = apply_rope(k_pe_B1SDr, cos_SDr, sin_SDr)
         q_full = torch.cat([q_nope, q_pe], dim=-1)
         k_full = torch.cat([k_nope, k_pe_B1SDr.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        o_BHSDv = F.scaled_dot_product_attention(q_full, k_full, v_BHSDv, is_causal=True)
+        o_BHSDv = F.scaled_dot_product_attention(q_full, k_full, v_BHSDv, is_causal=True, scale=self.softmax_scale)
         return self.wo(o_BHSDv.transpose(1, 2).reshape(B, S, -1))
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)

@@ -118,7 +118,7 @@ class Router(nn.Module):
         with torch.no_grad():
             topk_idx_TK = self.select(scores_TE)
         weights_TK = scores_TE.gather(1, topk_idx_TK)
-        if cfg.norm_topk_prob and cfg.top_k > 1:
+        if cfg.norm_topk_prob and (cfg.top_k > 1 or cfg.norm_top1):
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
         weights_TK = weights_TK * cfg.route_scale
         if cfg.capacity_factor is not None:
@@ -202,7 +202,9 @@ class GroupedExperts(nn.Module):
             return "bmm"
         return impl
 
-    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_ND, counts_E: torch.Tensor | None = None) -> torch.Tensor:
+        if counts_E is None:  # one object holding both (moeflow.ep.moe_layer hides them from FSDP that way)
+            x_ND, counts_E = x_ND.x_ND, x_ND.counts_E
         return expert_matmuls(x_ND, counts_E, self.w1, self.w3, self.w2, self.resolve_impl(x_ND))
 
 

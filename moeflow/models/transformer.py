@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.models.config import ModelConfig
+from moeflow.models.config import ModelConfig, RopeScaling
 from moeflow.models.moe import FeedForward, GroupedExperts, MoE, Router
 
 
@@ -30,12 +30,59 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [S, Dh] for the rotate-half convention (the layout Hugging Face checkpoints use)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq, magnitude = rope_frequencies(head_dim, theta, scaling, max_seq_len)
     angles_SDh2 = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
     angles_SDh = torch.cat([angles_SDh2, angles_SDh2], dim=-1)
-    return angles_SDh.cos(), angles_SDh.sin()
+    return angles_SDh.cos() * magnitude, angles_SDh.sin() * magnitude
+
+
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None, max_seq_len: int
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [Dh/2], cos/sin magnitude), with the long-context rescaling if any."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is None or scaling.type == "none":
+        return inv_freq, 1.0
+    factor, original = scaling.factor, scaling.original_max_seq_len or max_seq_len
+    if scaling.type == "llama3":
+        # Llama 3.1 (reference code in meta-llama/llama-models): keep short wavelengths, slow long ones down
+        # by `factor`, and blend linearly in between.
+        lo, hi = scaling.low_freq_factor, scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        slowed = inv_freq / factor
+        blend = (original / wavelen - lo) / (hi - lo)
+        blended = (1 - blend) * slowed + blend * inv_freq
+        out = torch.where(wavelen > original / lo, slowed, inv_freq)
+        is_medium = (wavelen >= original / hi) & (wavelen <= original / lo)
+        return torch.where(is_medium, blended, out), 1.0
+    # YaRN (Peng et al. 2023, sec. 3.2 "NTK-by-parts"): frequencies that turn more than beta_fast times over
+    # the original context are kept, fewer than beta_slow are slowed by `factor`, a linear ramp in between.
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_of(scaling.beta_fast)), 0)
+    high = min(math.ceil(dim_of(scaling.beta_slow)), head_dim - 1)
+    span = high - low if high != low else 1e-3  # (the reference's guard against a zero-width ramp)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    return inv_freq, yarn_magnitude(scaling)
+
+
+def yarn_mscale(factor: float, coefficient: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * c * ln(factor) + 1 (1 when not extending)."""
+    return 1.0 if factor <= 1 else 0.1 * coefficient * math.log(factor) + 1.0
+
+
+def yarn_magnitude(scaling: RopeScaling) -> float:
+    if scaling.attention_factor:
+        return scaling.attention_factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return yarn_mscale(scaling.factor)
 
 
 def apply_rope(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
@@ -51,10 +98,11 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.hd
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.wq = nn.Linear(cfg.dim, q_width, bias=False)
-        self.wk = nn.Linear(cfg.dim, kv_width, bias=False)
-        self.wv = nn.Linear(cfg.dim, kv_width, bias=False)
-        self.wo = nn.Linear(q_width, cfg.dim, bias=False)
+        bias = cfg.attention_bias
+        self.wq = nn.Linear(cfg.dim, q_width, bias=bias)
+        self.wk = nn.Linear(cfg.dim, kv_width, bias=bias)
+        self.wv = nn.Linear(cfg.dim, kv_width, bias=bias)
+        self.wo = nn.Linear(q_width, cfg.dim, bias=bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "per_head":  # Qwen3: one RMSNorm over each head's width
             self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps), RMSNorm(self.head_dim, cfg.norm_eps)
@@ -116,7 +164,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings and embed and head:
             self.output.weight = self.tok_embeddings.weight
         rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.hd
-        cos, sin = rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if self.rope_cos.device.type != "meta":  # a meta model (dry runs) has no values to initialise
@@ -125,7 +173,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 * n_layers)
-        (GPT-2, Radford et al. 2019, sec. 2.3); norms to one; router biases to zero."""
+        (GPT-2, Radford et al. 2019, sec. 2.3); norms to one; linear and router biases to zero."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
@@ -133,6 +181,8 @@ class Transformer(nn.Module):
             residual_out = name.endswith((".wo", ".w2"))
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 _normal_(module.weight, out_std if residual_out else std, gen)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
             elif isinstance(module, GroupedExperts):
                 _normal_(module.w1, std, gen)
                 _normal_(module.w3, std, gen)
@@ -141,7 +191,13 @@ class Transformer(nn.Module):
                 module.weight.fill_(1.0)
             elif isinstance(module, Router):
                 module.expert_bias.zero_()
-        cos, sin = rope_tables(self.rope_cos.shape[-1], self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.reset_rope()
+
+    @torch.no_grad()
+    def reset_rope(self) -> None:
+        """Recompute the RoPE tables (non-persistent buffers: not in checkpoints, garbage after `to_empty`)."""
+        cfg = self.cfg
+        cos, sin = rope_tables(self.rope_cos.shape[-1], cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 

@@ -1,0 +1,168 @@
+"""`moeflow convert`: Hugging Face model folders <-> moeflow run directories (DCP checkpoints).
+
+  moeflow convert hf-to-moeflow HF_FOLDER RUN_DIR
+  moeflow convert moeflow-to-hf RUN_DIR_OR_CHECKPOINT HF_FOLDER
+
+A run directory is what `moeflow train --run-dir` writes: config.toml and checkpoints/step-N/ (DCP, complete
+when COMPLETE.json is there). hf-to-moeflow writes one: the model as moeflow settings in config.toml, its
+weights as checkpoints/step-0/, the source config.json as hf_config.json (so converting back keeps its token
+ids) and the tokenizer files. moeflow-to-hf reads a run's newest complete checkpoint (or the one given) with
+the model settings of the run's config.toml and writes a folder transformers loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import warnings
+from pathlib import Path
+
+HELP = __doc__.split("\n", 2)[2]
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moeflow convert", description="Convert checkpoints between Hugging Face "
+                                "and moeflow.", epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="direction", required=True, metavar="{hf-to-moeflow,moeflow-to-hf}")
+    a = sub.add_parser("hf-to-moeflow", help="HF folder -> moeflow run directory (config.toml + DCP step-0)",
+                       description="Read a Hugging Face folder (config.json + safetensors) and write a moeflow run "
+                       "directory: config.toml, checkpoints/step-0/ (DCP), hf_config.json and tokenizer files. "
+                       f"Supported architectures: {_supported()}.")
+    a.add_argument("src", metavar="HF_FOLDER", help="folder with config.json and model*.safetensors")
+    a.add_argument("dst", metavar="RUN_DIR", help="moeflow run directory to create")
+    b = sub.add_parser("moeflow-to-hf", help="moeflow checkpoint -> HF folder",
+                       description="Read a moeflow checkpoint (a run directory: its newest complete checkpoint; or "
+                       "one checkpoints/step-N folder) with the model settings of the run's config.toml, and "
+                       "write a Hugging Face folder (config.json + safetensors) that transformers loads.")
+    b.add_argument("src", metavar="RUN_DIR_OR_CHECKPOINT", help="run directory, or RUN_DIR/checkpoints/step-N")
+    b.add_argument("dst", metavar="HF_FOLDER", help="folder to write")
+    b.add_argument("--config", help="the run's config.toml (default: RUN_DIR/config.toml)")
+    b.add_argument("--architecture", help=f"HF class to write (default: the source's, else inferred): {_supported()}")
+    b.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the written weights (bf16)")
+    b.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB (5GB)")
+    return p
+
+
+def _supported() -> str:
+    from moeflow.models.hf_arch import SUPPORTED
+
+    return SUPPORTED
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*", text.upper())
+    if not m:
+        raise ValueError(f"--max-shard-size {text!r}: use a byte count or a size such as 5GB or 500MB")
+    scale = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30,
+             "T": 2**40, "TB": 2**40}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+def hf_to_moeflow(src: str | Path, dst: str | Path) -> Path:
+    """Write RUN_DIR (config.toml, checkpoints/step-0, hf_config.json, tokenizer files); returns the checkpoint."""
+    import torch
+
+    from moeflow.config import JobConfig, to_toml
+    from moeflow.models.hf import copy_side_files, from_pretrained
+    from moeflow.train.checkpoint import CheckpointManager
+
+    src, dst = Path(src), Path(dst)
+    model, cfg = from_pretrained(src, dtype=torch.float32)
+    cfg.hf_path = ""  # the run continues from the checkpoint written here, not from the folder again
+    job = JobConfig(run_dir=str(dst), model=cfg)
+    job.data.seq_len = min(job.data.seq_len, cfg.max_seq_len)
+    dst.mkdir(parents=True, exist_ok=True)
+    if "tokenizer.json" in copy_side_files(src, dst):
+        job.data.tokenizer = str(dst / "tokenizer.json")
+    (dst / "config.toml").write_text(to_toml(job))
+    (dst / "hf_config.json").write_text((src / "config.json").read_text())
+    # A never-stepped optimizer has no state, so the checkpoint holds the model only.
+    optimizer = torch.optim.AdamW(model.parameters())
+    return CheckpointManager(dst, keep=1, rank=0).save(0, model, optimizer, {"step": 0, "converted_from": str(src)})
+
+
+def moeflow_to_hf(src: str | Path, dst: str | Path, *, config: str | None = None, architecture: str | None = None,
+                  dtype: str = "bf16", max_shard_bytes: int = 5 * 2**30) -> Path:
+    import torch
+
+    from moeflow.config import load_config
+    from moeflow.models.hf import build_empty, copy_side_files, kept_fields, read_hf_config, save_pretrained
+
+    checkpoint, run_dir = _find_checkpoint(Path(src))
+    config_path = Path(config) if config else run_dir / "config.toml"
+    if not config_path.is_file():
+        raise ValueError(f"{config_path} does not exist; pass the run's config.toml with --config")
+    cfg = load_config(config_path).model
+    original: dict = {}
+    origin = run_dir  # where the tokenizer and the source config.json are
+    if (run_dir / "hf_config.json").is_file():
+        original = json.loads((run_dir / "hf_config.json").read_text())
+    if cfg.hf_path:  # a run that started from a HF folder trained that folder's architecture
+        original, cfg = read_hf_config(cfg.hf_path)
+        origin = Path(cfg.hf_path)
+    model = build_empty(cfg)
+    _load_model_state(checkpoint, model)
+    architecture = architecture or (original.get("architectures") or [None])[0]
+    dst = Path(dst)
+    save_pretrained(model, cfg, dst, architecture=architecture, dtype=getattr(torch, DTYPES[dtype]),
+                    max_shard_bytes=max_shard_bytes, extra_config=kept_fields(original))
+    copy_side_files(origin, dst)
+    return dst
+
+
+def _find_checkpoint(src: Path) -> tuple[Path, Path]:
+    """(checkpoint folder, run directory) from either of them."""
+    from moeflow.train.checkpoint import CheckpointManager, verify
+
+    if (src / "checkpoints").is_dir():
+        found = CheckpointManager(src, keep=1, rank=0).complete_checkpoints()
+        if not found:
+            raise ValueError(f"{src}/checkpoints has no complete checkpoint (step-N with COMPLETE.json)")
+        return found[0][1], src
+    if not src.is_dir():
+        raise ValueError(f"{src} does not exist; pass a run directory or one of its checkpoints/step-N folders")
+    problem = verify(src)
+    if problem:
+        raise ValueError(f"{src} is not a complete moeflow checkpoint: {problem}")
+    return src, src.parent.parent
+
+
+def _load_model_state(checkpoint: Path, model) -> None:
+    """Only the model's tensors from a trainer checkpoint (the optimizer state is not read)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from moeflow.train import state
+    from moeflow.train.checkpoint import FORMAT
+
+    extra = json.loads((checkpoint / "extra.json").read_text())
+    if extra.get("format") != FORMAT:
+        raise ValueError(f"{checkpoint} has checkpoint format {extra.get('format', 1)}; this moeflow reads {FORMAT}")
+    saved = set(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+    # placeholders() names tensors through an optimizer's parameters; one that never stepped holds no state.
+    optimizer = torch.optim.AdamW(model.parameters())
+    flat = state.placeholders([model], optimizer, {k for k in saved if k.startswith("model.")})
+    missing = sorted(set(flat) - saved)
+    if missing:
+        raise ValueError(
+            f"{checkpoint} lacks {len(missing)} model tensors (first: {missing[:3]}); does config.toml describe "
+            f"the model that was trained?"
+        )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(flat, checkpoint_id=str(checkpoint))
+    state.apply([model], optimizer, flat)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.direction == "hf-to-moeflow":
+        checkpoint = hf_to_moeflow(args.src, args.dst)
+        print(f"wrote {args.dst}: config.toml and the checkpoint {checkpoint}")
+    else:
+        out = moeflow_to_hf(args.src, args.dst, config=args.config, architecture=args.architecture,
+                            dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size))
+        print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
