@@ -52,6 +52,13 @@ def shard_moe_experts(moe: MoE, group=None) -> MoE:
     return moe
 
 
+class _HiddenFromFSDP:
+    """(x, counts) for GroupedExperts.forward, in a container FSDP2's pytree walk does not open."""
+
+    def __init__(self, x_ND: torch.Tensor, counts_E: torch.Tensor):
+        self.x_ND, self.counts_E = x_ND, counts_E
+
+
 class ExpertParallelMoE(nn.Module):
     """forward(x[..., D]) like MoE's, with dispatch/combine through a moeflow.ep.Buffer.
 
@@ -70,6 +77,7 @@ class ExpertParallelMoE(nn.Module):
         self.router = moe.router
         self.experts = moe.experts
         self.shared_experts = moe.shared_experts
+        self.defer_expert_grad_sync = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
@@ -79,7 +87,13 @@ class ExpertParallelMoE(nn.Module):
         )
         order_P, counts_L = permute_by_expert(recv_idx_NK, self.num_local_experts)
         row_P = order_P // self.top_k
-        y_PD = self.experts(recv_x_ND[row_P], counts_L)
+        if self.defer_expert_grad_sync:
+            # Tensors inside a plain object are invisible to FSDP2's pre-forward hook, which therefore
+            # registers no mid-backward reduce-scatter: the root's final callback reduces these experts
+            # after backward, at the same point on every rank (see parallelize).
+            y_PD = self.experts(_HiddenFromFSDP(recv_x_ND[row_P], counts_L))
+        else:
+            y_PD = self.experts(recv_x_ND[row_P], counts_L)
         y_PD = y_PD * recv_w_NK.reshape(-1)[order_P].unsqueeze(-1).to(y_PD.dtype)
         out_ND = torch.zeros_like(recv_x_ND).index_add(0, row_P, y_PD.to(recv_x_ND.dtype))
         out_TD, _, _ = self.buffer.combine(out_ND, handle)

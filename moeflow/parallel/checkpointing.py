@@ -17,7 +17,9 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str) -> int:
         return 0
     every = 1 if mode == "full" else int(mode.split("-", 1)[1])
     count = 0
-    for i, block in enumerate(blocks.values()):
+    for position, (key, block) in enumerate(blocks.items()):
+        # by global layer index (blocks are keyed by it), so a pipeline stage recomputes the same layers
+        i = int(key) if key.isdigit() else position
         if i % every == 0:
             inner = block.forward
             block.forward = _recomputing(inner)

@@ -1,8 +1,13 @@
 """parallelize(model, ...): apply the parallel layout to a single-device model, in a fixed order.
 
-Order: validate sizes -> activation checkpointing -> expert parallelism (each rank keeps E/ep experts,
-tokens travel through moeflow.ep) -> FSDP2 on the experts over what remains of the data-parallel ranks
--> FSDP2 on every block, then the root. At world size 1 nothing is wrapped (DESIGN.md, principle 8).
+Order (each step sees the modules the previous one left): validate every size -> build the mesh
+(pp, dp_replicate, efsdp, ep, tp) -> pipeline split (this rank keeps its stages' layers; parameter
+names stay those of the full model) -> expert parallelism (each rank keeps E/ep experts; tokens travel
+through moeflow.ep) -> tensor + sequence parallelism by a plan that is data (moeflow.parallel.tensor)
+-> activation checkpointing -> FSDP2: experts over what remains of the data-parallel ranks, then every
+block, then each stage root -> the pipeline schedule. At world size 1 nothing is wrapped (DESIGN.md,
+principle 8). The same order as TorchTitan's parallelize functions, for the same reasons: TP must see
+plain modules, FSDP must see the TP-sharded parameters, and the schedule the FSDP-wrapped stages.
 """
 
 from __future__ import annotations
@@ -13,11 +18,6 @@ from torch import nn
 
 from moeflow.parallel.checkpointing import apply_activation_checkpointing
 from moeflow.parallel.dims import ParallelDims
-
-NOT_YET = {
-    "tp": "tensor parallelism",
-    "pp": "pipeline parallelism",
-}
 
 
 def parallelize(
@@ -32,67 +32,129 @@ def parallelize(
     activation_checkpointing: str = "none",
     mixed_precision: torch.dtype | None = None,
     ep_backend: str = "auto",
+    tp_plan: dict | None = None,
+    pp_schedule: str = "1F1B",
+    pp_microbatches: int | None = None,
+    pp_boundaries: list | None = None,
+    loss_fn=None,
     device_type: str | None = None,
 ) -> nn.Module:
     """Parallelize `model` (a moeflow Transformer) in place over the default process group; returns it.
 
-    The resolved ParallelDims and DeviceMesh are attached as `model.parallel_dims` / `model.device_mesh`.
+    Sizes: dp_replicate x dp_shard x tp x pp = world size (dp_shard=-1: the rest); ep borrows its ranks
+    from dp_shard. zero: 1 (replicated weights, sharded AdamW state), 2 (FSDP2, weights kept gathered
+    from forward to backward), 3 (FSDP2). tp_plan: {module-name pattern: ParallelStyle}, default
+    moeflow.parallel.tensor.tp_plan(model). pp_schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+    InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; pp_microbatches: micro-batches per step (required
+    with pp > 1); pp_boundaries: the first layer of each stage (default: an even split).
+
+    Attached: `model.parallel_dims`, `model.device_mesh` (None at world size 1), and with pp > 1
+    `model.pp_runner` (moeflow.parallel.pipeline.PipelineRunner: step(inputs, targets) -> loss).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims(world, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep)
     if hasattr(model, "cfg"):
         dims.check_model(model.cfg)
-    for key, what in NOT_YET.items():
-        if getattr(dims, key) > 1:
-            raise ValueError(f"parallel.{key} = {getattr(dims, key)}: {what} is not supported yet; "
-                             f"set --parallel.{key}=1 (data and expert parallelism are)")
+    if dims.tp > 1:
+        from moeflow.parallel.tensor import check_tp
+
+        check_tp(model, dims.tp)
+    if dims.pp > 1:
+        from moeflow.parallel.pipeline import resolve_schedule
+
+        pp_schedule = resolve_schedule(pp_schedule)
+        if not pp_microbatches:
+            raise ValueError(f"parallel.pp = {dims.pp} needs pp_microbatches (micro-batches per step); "
+                             f"set --parallel.pp_microbatches to a divisor of the per-rank batch")
     if zero not in (1, 2, 3):
         raise ValueError(f"parallel.zero = {zero}; use 1 (replicated parameters, sharded optimizer state), "
                          f"2 (FSDP2, parameters kept gathered between forward and backward) or 3 (FSDP2)")
     if zero == 1 and dims.dp < world:
         raise ValueError(f"parallel.zero = 1 with {dims.describe()} is not supported yet: ZeRO-1 runs pure data "
                          f"parallelism only; use --parallel.zero=3 (or 2) with tp, pp or ep")
-    apply_activation_checkpointing(model.layers, activation_checkpointing)
     model.parallel_dims, model.device_mesh, model.zero = dims, None, zero
     if world == 1:
+        apply_activation_checkpointing(model.layers, activation_checkpointing)
         return model
-
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     mesh = dims.build_mesh(device_type)
     model.device_mesh = mesh
+    sub = ParallelDims.submesh
     if zero == 1:
         # ZeRO-1 (Rajbhandari et al. 2020, stage 1): every rank keeps all parameters and gradients; the
         # trainer averages gradients with all_reduce_gradients and the optimizer (ZeroRedundancyOptimizer)
         # keeps 1/dp of the state on each rank.
+        apply_activation_checkpointing(model.layers, activation_checkpointing)
         model.grad_group = dist.group.WORLD  # ZeRO-1 is pure data parallelism (checked above)
         return model
+
+    stages = [model]
+    if dims.pp > 1:
+        from moeflow.parallel.pipeline import build_stage_modules
+
+        stages = build_stage_modules(model, sub(mesh, "pp").get_local_rank(), dims.pp, pp_schedule, pp_boundaries)
+    if dims.ep > 1:
+        _apply_expert_parallel(model, sub(mesh, "ep").get_group(), ep_backend)
+    if dims.tp > 1:
+        from moeflow.parallel.tensor import apply_tensor_parallel
+
+        for stage in stages:
+            apply_tensor_parallel(stage, sub(mesh, "tp"), plan=tp_plan)
+        model.tp_mesh = sub(mesh, "tp")
+    apply_activation_checkpointing(model.layers, activation_checkpointing)
+    _apply_fsdp(model, stages, dims, mesh, zero, mixed_precision, device_type)
+    if dims.pp > 1:
+        from moeflow.parallel.pipeline import build_schedule, mean_cross_entropy
+
+        device = torch.device(device_type) if device_type == "cpu" else torch.device(device_type,
+                                                                                       torch.cuda.current_device())
+        model.pp_runner = build_schedule(stages, sub(mesh, "pp").get_local_rank(), dims.pp,
+                                         sub(mesh, "pp").get_group(), device, pp_schedule, pp_microbatches,
+                                         loss_fn=loss_fn or mean_cross_entropy)
+    return model
+
+
+def _apply_expert_parallel(model: nn.Module, ep_group, backend: str) -> None:
+    from moeflow.ep.moe_layer import ExpertParallelMoE
+    from moeflow.models.moe import MoE
+
+    for block in model.layers.values():
+        if isinstance(block.feed_forward, MoE):
+            block.feed_forward = ExpertParallelMoE(block.feed_forward, ep_group, backend=backend)
+
+
+def _apply_fsdp(model, stages, dims: ParallelDims, mesh, zero: int, mixed_precision, device_type: str) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from moeflow.ep.moe_layer import ExpertParallelMoE
+
+    sub = ParallelDims.submesh
     fsdp = {"reshard_after_forward": zero == 3}
     if mixed_precision is not None:
         fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
-    sub = ParallelDims.submesh
     dp_mesh = sub(mesh, "dp_replicate", "dp_shard") if dims.dp_replicate > 1 else sub(mesh, "dp_shard")
     expert_mesh = sub(mesh, "dp_replicate", "efsdp") if dims.dp_replicate > 1 else sub(mesh, "efsdp")
-
-    if dims.ep > 1:
-        from moeflow.ep.moe_layer import ExpertParallelMoE
-        from moeflow.models.moe import MoE
-
-        ep_group = sub(mesh, "ep").get_group()
-        for block in model.layers.values():
-            if isinstance(block.feed_forward, MoE):
-                block.feed_forward = ExpertParallelMoE(block.feed_forward, ep_group, backend=ep_backend)
-                experts = block.feed_forward.experts
-                fully_shard(experts, mesh=expert_mesh, shard_placement_fn=balanced_shard(expert_mesh.size()),
-                            **fsdp)
-                # FSDP averages over the expert mesh (dp / ep ranks), but each expert's gradient sums
-                # the tokens of all dp ranks (they arrive through the EP group): divide by dp instead.
-                experts.set_gradient_divide_factor(float(dims.dp))
     for block in model.layers.values():
+        if isinstance(block.feed_forward, ExpertParallelMoE):
+            experts = block.feed_forward.experts
+            fully_shard(experts, mesh=expert_mesh, shard_placement_fn=balanced_shard(expert_mesh.size()), **fsdp)
+            # FSDP averages over the expert mesh (dp / ep ranks), but each expert's gradient sums
+            # the tokens of all dp ranks (they arrive through the EP group): divide by dp instead.
+            experts.set_gradient_divide_factor(float(dims.dp))
+            if device_type == "cpu" and dims.efsdp > 1:
+                # gloo has no PREMUL_SUM: sum, then divide locally. Not when the reduce-scatter group has
+                # one rank: torch 2.13 then divides in its local copy and again after (found by
+                # tests/test_layouts.py: expert gradients came out 1/dp of the right ones).
+                experts.set_force_sum_reduction_for_comms(True)
+                # gloo collectives block, so every rank must issue them in the same order; FSDP's mid-backward
+                # expert reduce-scatter (efsdp group) and EP's all-to-all (ep group) came out in different
+                # orders on different ranks and deadlocked. Reduce the experts after backward instead.
+                block.feed_forward.defer_expert_grad_sync = True
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=balanced_shard(dp_mesh.size()), **fsdp)
-    fully_shard(model, mesh=dp_mesh, shard_placement_fn=balanced_shard(dp_mesh.size()), **fsdp)
-    return model
+    # Each stage root gathers its embedding / norm / head; the container of several stages is not run.
+    for stage in stages:
+        fully_shard(stage, mesh=dp_mesh, shard_placement_fn=balanced_shard(dp_mesh.size()), **fsdp)
 
 
 def balanced_shard(ranks: int):
@@ -115,17 +177,22 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm of a parallelized model; returns the norm before clipping.
 
     Gradients are DTensors on different meshes (experts on the expert mesh, the rest on the data
-    mesh), which torch's clip_grad_norm_ cannot stack, so: sum the squares of the local shards, add
-    them up over all ranks, and divide out the copies the replicate dimension holds.
+    mesh, 2-D with tp), which torch's clip_grad_norm_ cannot stack, so each rank sums the squares of
+    the elements it is the one to count (moeflow.parallel.tensor.grad_norm_sq_local: replicated copies
+    once) and the sums are added over all ranks. ZeRO-1 ranks all hold the whole averaged gradient.
     """
+    from moeflow.parallel.tensor import grad_norm_sq_local
+
+    dims = getattr(model, "parallel_dims", None)
+    replicated = getattr(model, "grad_group", None) is not None
+    distributed = dist.is_initialized() and dims is not None and dims.world_size > 1 and not replicated
+    if distributed:
+        sq = grad_norm_sq_local(model)  # may replace partial gradients by reduced ones: read grads after
+        dist.all_reduce(sq)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    sq = torch.stack([g.float().pow(2).sum() for g in local]).sum() if local else torch.zeros(())
-    dims = getattr(model, "parallel_dims", None)
-    replicated = getattr(model, "grad_group", None) is not None  # ZeRO-1: every rank has the whole gradient
-    if dist.is_initialized() and dims is not None and dims.world_size > 1 and not replicated:
-        dist.all_reduce(sq)
-        sq = sq / dims.dp_replicate
+    if not distributed:
+        sq = torch.stack([g.float().pow(2).sum() for g in local]).sum() if local else torch.zeros(())
     norm = sq.sqrt()
     if max_norm < float("inf"):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from tqdm import tqdm
 
 from moeflow.config import JobConfig, to_toml
 from moeflow.models.transformer import Transformer
 from moeflow.parallel.dims import ParallelDims
 from moeflow.parallel.parallelize import all_reduce_gradients, clip_grad_norm_, parallelize
+from moeflow.parallel.tensor import tp_loss
 from moeflow.train.checkpoint import CheckpointManager
 from moeflow.train.data import BatchSampler, load_tokens, split_tokens, val_batches
 from moeflow.train.distributed import DistInfo, all_reduce_sum, init_distributed
@@ -60,12 +61,20 @@ def check_layout(cfg: JobConfig, world: int) -> tuple[ParallelDims, int]:
             f"use a multiple of {dp}"
         )
     per_rank = t.global_batch // dp
-    micro = t.micro_batch or per_rank
+    micro = t.micro_batch or (1 if dims.pp > 1 else per_rank)
     if per_rank % micro:
         raise ValueError(
             f"training.micro_batch ({micro}) must divide the per-rank batch ({per_rank} = global_batch / {dp})"
         )
+    if dims.pp > 1:
+        from moeflow.parallel.pipeline import validate_microbatches
+
+        validate_microbatches(per_rank, pp_microbatches(cfg, per_rank, micro), p.pp_schedule, dims.pp)
     return dims, micro
+
+
+def pp_microbatches(cfg: JobConfig, per_rank: int, micro: int) -> int:
+    return cfg.parallel.pp_microbatches or per_rank // micro
 
 
 def build_model(cfg: JobConfig, device: torch.device, build_optimizer: bool = True):
@@ -75,13 +84,21 @@ def build_model(cfg: JobConfig, device: torch.device, build_optimizer: bool = Tr
     if device.type == "meta":
         with torch.device("meta"):
             model = Transformer(cfg.model)
+    elif cfg.model.hf_path:  # Hugging Face weights, read on every rank before sharding
+        from moeflow.models.hf import load_for_training
+
+        model, _ = load_for_training(cfg.model)
+        model.to(device)
     else:
         model = Transformer(cfg.model)
         model.init_weights(seed=t.seed)  # identical on every rank before sharding
         model.to(device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims, micro = check_layout(cfg, world)
     parallelize(model, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero,
                 activation_checkpointing=t.activation_checkpointing, ep_backend=p.ep_backend,
-                device_type="cpu" if device.type == "meta" else device.type)
+                pp_schedule=p.pp_schedule, pp_microbatches=pp_microbatches(cfg, t.global_batch // dims.dp, micro),
+                loss_fn=tp_loss, device_type="cpu" if device.type == "meta" else device.type)
     optimizer = make_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2)) if build_optimizer else None
     return model, optimizer
 
@@ -107,13 +124,18 @@ def build(cfg: JobConfig, info: DistInfo) -> Setup:
     sampler = BatchSampler(train_tokens, d.seq_len, t.global_batch, dp_rank, dp, t.seed)
     val = val_batches(val_tokens, d.seq_len, t.global_batch, cfg.eval.batches)
     layout = "1 process"
-    if info.world_size > 1:
+    if info.world_size > 1 and dims.pp > 1:
+        layout = (f"{dims.describe()} ({info.world_size} ranks, {cfg.parallel.pp_schedule} with "
+                  f"{model.pp_runner.n_microbatches} micro-batches, FSDP2 ZeRO-{cfg.parallel.zero})")
+    elif info.world_size > 1:
         p = cfg.parallel
         dp_kind = "ZeroRedundancyOptimizer" if p.zero == 1 else "FSDP2"
         layout = f"{dims.describe()} ({info.world_size} ranks, {dp_kind} ZeRO-{p.zero})"
     accum = t.global_batch // dp // micro
     for _, router in model.moe_routers():
-        router.aux_loss_scale = 1.0 / accum  # the aux loss is per micro-batch, like the main loss
+        # The aux loss is per micro-batch, like the main loss; a pipeline schedule scales the gradients
+        # by 1 / micro-batches itself.
+        router.aux_loss_scale = 1.0 if dims.pp > 1 else 1.0 / accum
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
     return Setup(info, model, optimizer, scheduler, sampler, val, micro, accum, layout)
 
@@ -127,33 +149,64 @@ def _set_grad_sync(model, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True) -> dict:
-    """One optimizer step. Returns plain numbers (after one all-reduce of loss and expert load); the
-    per-layer expert statistics only when `with_moe_stats`, since they copy every layer to the host."""
-    model, routers = s.model, s.model.moe_routers()
-    model.train()
-    inputs, targets = s.sampler.next_batch()
-    inputs, targets = inputs.to(s.info.device), targets.to(s.info.device)
+def _moe_layers(cfg: JobConfig) -> list[int]:
+    """Global indices of the MoE layers: router statistics are packed by these on every rank, so the
+    one all-reduce has the same size whichever layers (pipeline stage) a rank holds."""
+    return [i for i in range(cfg.model.n_layers) if cfg.model.is_moe_layer(i)]
+
+
+def _local_routers(model) -> dict[int, object]:
+    return {int(name.split(".")[1]): r for name, r in model.moe_routers()}  # "layers.<i>.feed_forward.router"
+
+
+def _forward_backward(cfg: JobConfig, s: Setup, inputs, targets, loads, dropped, row_of) -> torch.Tensor:
+    """Forward and backward of this rank's batch; adds router loads into `loads` / `dropped` (rows by
+    global layer). Returns the mean loss (0 on pipeline ranks without the last stage, broadcast after)."""
+    model, routers = s.model, _local_routers(s.model)
+    runner = getattr(model, "pp_runner", None)
+    if runner is not None:
+        with _autocast(cfg, s.info.device):
+            loss = runner.step(inputs, targets)
+        for layer, (load_E, drop) in runner.router_loads().items():
+            loads[row_of[layer]] += load_E
+            dropped[row_of[layer]] += drop
+        return runner.broadcast_loss(loss, s.info.device)
     loss_sum = torch.zeros((), device=s.info.device)
-    loads = [torch.zeros(r.cfg.num_experts, device=s.info.device) for _, r in routers]
-    dropped = torch.zeros(max(1, len(routers)), device=s.info.device)
     for m in range(s.accum):
         rows = slice(m * s.micro_batch, (m + 1) * s.micro_batch)
         _set_grad_sync(model, m == s.accum - 1)
         with _autocast(cfg, s.info.device):
             logits = model(inputs[rows])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets[rows].flatten())
+        loss = tp_loss(logits, targets[rows])
         (loss / s.accum).backward()
         loss_sum += loss.detach() / s.accum
-        for i, (_, r) in enumerate(routers):  # read right after forward: recomputation rewrites it
-            loads[i] += r.last_load
-            dropped[i] += r.last_dropped
+        for layer, r in routers.items():  # read right after forward: recomputation rewrites it
+            loads[row_of[layer]] += r.last_load
+            dropped[row_of[layer]] += r.last_dropped
+    return loss_sum
+
+
+def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True) -> dict:
+    """One optimizer step. Returns plain numbers (after one all-reduce of loss and expert load); the
+    per-layer expert statistics only when `with_moe_stats`, since they copy every layer to the host."""
+    model = s.model
+    model.train()
+    inputs, targets = s.sampler.next_batch()
+    inputs, targets = inputs.to(s.info.device), targets.to(s.info.device)
+    layers = _moe_layers(cfg)
+    row_of = {layer: i for i, layer in enumerate(layers)}
+    E = cfg.model.moe.num_experts
+    loads = torch.zeros(len(layers), E, device=s.info.device)
+    dropped = torch.zeros(max(1, len(layers)), device=s.info.device)
+    loss_sum = _forward_backward(cfg, s, inputs, targets, loads, dropped, row_of)
     all_reduce_gradients(model)
     clip = cfg.training.grad_clip if cfg.training.grad_clip > 0 else float("inf")
     grad_norm = clip_grad_norm_(model, clip)
     # One all-reduce for everything logged; its .tolist() is the step's one host sync, needed anyway
     # for the non-finite check (every rank must take the same decision) and the progress bar.
-    packed = all_reduce_sum(torch.cat([loss_sum.view(1), dropped, *loads]))
+    packed = all_reduce_sum(torch.cat([loss_sum.view(1), dropped, loads.flatten()]))
+    # Every tp rank routes all of its dp rank's tokens, and every rank holds the loss: divide the copies out.
+    tp = model.parallel_dims.tp
     numbers = packed.tolist()
     loss_value = numbers[0] / s.info.world_size
     gn = float(grad_norm)
@@ -170,45 +223,51 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True) -> dict:
     s.optimizer.zero_grad(set_to_none=True)
     s.scheduler.step()
     out = {"loss": loss_value, "lr": lr, "grad_norm": gn, "skipped": not finite}
-    if routers:
-        global_loads = packed[1 + len(dropped):].view(len(routers), -1)
-        for (_, r), load_E in zip(routers, global_loads):
-            r.update_bias(load_E)
+    if layers:
+        global_loads = packed[1 + len(dropped):].view(len(layers), E) / tp
+        for layer, r in _local_routers(model).items():
+            r.update_bias(global_loads[row_of[layer]])
         if with_moe_stats:
-            out["moe"] = _moe_stats(routers, global_loads, numbers[1 : 1 + len(routers)], cfg, s)
+            out["moe"] = _moe_stats(cfg, model, layers, global_loads, [d / tp for d in numbers[1:1 + len(layers)]])
     return out
 
 
-def _moe_stats(routers, loads_LE, dropped, cfg, s) -> dict:
-    k = routers[0][1].cfg.top_k
-    assignments = cfg.training.global_batch * cfg.data.seq_len * k
+def _moe_stats(cfg: JobConfig, model, layers, loads_LE, dropped) -> dict:
+    assignments = cfg.training.global_batch * cfg.data.seq_len * cfg.model.moe.top_k
+    routers = _local_routers(model)
     stats = {}
-    for (name, r), load_E, drop in zip(routers, loads_LE, dropped):
-        layer = name.split(".")[1]
-        stats[layer] = {
+    for layer, load_E, drop in zip(layers, loads_LE, dropped):
+        stats[str(layer)] = {
             "tokens_per_expert": [int(x) for x in load_E.tolist()],
             "max_over_mean": float(load_E.max() / load_E.mean().clamp(min=1e-9)),
             "dropped_fraction": drop / assignments,
-            "router_bias": [round(b, 5) for b in r.expert_bias.tolist()],
         }
+        if layer in routers:  # under pipeline parallelism rank 0 holds only its stage's routers
+            stats[str(layer)]["router_bias"] = [round(b, 5) for b in routers[layer].expert_bias.tolist()]
     return stats
 
 
 @torch.no_grad()
 def evaluate(cfg: JobConfig, s: Setup) -> float | None:
-    """Mean validation loss; each rank scores its rows of every batch and the sums are all-reduced."""
+    """Mean validation loss; each data-parallel rank scores its rows of every batch (tp and pp ranks of
+    one replica see the same rows) and the sums are all-reduced (copies cancel in the ratio)."""
     if not s.val:
         return None
     s.model.eval()
+    mesh, dims = s.model.device_mesh, s.model.parallel_dims
+    dp_rank = ParallelDims.submesh(mesh, "dp").get_local_rank() if mesh is not None else 0
+    runner = getattr(s.model, "pp_runner", None)
     total = torch.zeros(2, device=s.info.device)
     for inputs, targets in s.val:
         n = inputs.shape[0]
-        lo, hi = s.info.rank * n // s.info.world_size, (s.info.rank + 1) * n // s.info.world_size
+        lo, hi = dp_rank * n // dims.dp, (dp_rank + 1) * n // dims.dp
+        x, y = inputs[lo:hi].to(s.info.device), targets[lo:hi].to(s.info.device)
         with _autocast(cfg, s.info.device):
-            logits = s.model(inputs[lo:hi].to(s.info.device))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets[lo:hi].to(s.info.device).flatten(),
-                               reduction="sum")
-        total += torch.stack([loss, torch.tensor(float(targets[lo:hi].numel()), device=s.info.device)])
+            if runner is not None:
+                loss = runner.broadcast_loss(runner.forward_eval(x, y), s.info.device) * y.numel()
+            else:
+                loss = tp_loss(s.model(x), y, reduction="sum")
+        total += torch.stack([loss.float(), torch.tensor(float(y.numel()), device=s.info.device)])
     total = all_reduce_sum(total)
     return float(total[0] / total[1])
 
@@ -233,6 +292,11 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
         raise ValueError(f"--resume: no complete checkpoint under {run_dir}/checkpoints; drop --resume to start")
     if resume_from is not None:
         extra = ckpt.load(resume_from, s.model, s.optimizer)
+    if resume_from is not None and "sampler" not in extra:
+        # weights only (moeflow convert hf-to-moeflow): fresh optimizer, schedule and data order
+        if info.is_main:
+            print(f"starting from the weights in {resume_from} (no optimizer or data state in it)")
+    elif resume_from is not None:
         start = extra["step"]
         s.scheduler.load_state_dict(extra["scheduler"])
         # Checkpoints keep no optimizer hyper-parameters (they come from the config), so the learning rate
@@ -240,8 +304,8 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
         for group, lr in zip(s.optimizer.param_groups, s.scheduler.get_last_lr()):
             group["lr"] = lr
         s.sampler.load_state_dict(extra["sampler"])
-        if info.is_main:
-            _truncate_metrics(run_dir / "metrics.jsonl", start)
+    if info.is_main:  # drop lines the resumed (or fresh) run will log again
+        _truncate_metrics(run_dir / "metrics.jsonl", start)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))

@@ -1,0 +1,60 @@
+"""Tensor + sequence parallelism over gloo: every layout against the same model unparallelized, in fp32.
+
+One launch per world size runs every case (tests/tp_worker.py). World 2, tp=2: moeflow dense (GQA, qk_norm
+per_head and full, tied embeddings), the tiny MoE (aux and z losses), pipeline stages, Hugging Face Llama, Qwen3
+and Qwen3-MoE with moeflow MoE blocks, the vocab-parallel loss, bad input. World 4: tp=2 x dp=2 with FSDP2, and
+tp=2 x ep=2."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import tp_worker  # noqa: E402
+
+
+def _check(results: list[dict[str, str]], cases) -> None:
+    failures = [(rank, name, tb) for rank, res in enumerate(results) for name, tb in res.items() if tb != "ok"]
+    if not failures and any(len(res) != len(cases) for res in results):
+        failures = [(0, "harness", f"ran {[len(r) for r in results]} of {len(cases)} cases")]
+    if failures:
+        rank, name, tb = failures[0]
+        names = sorted({f"{n} (rank {r})" for r, n, _ in failures})
+        pytest.fail(f"{len(failures)} failed: {names}\nfirst, {name} on rank {rank}:\n{tb}")
+
+
+def test_world1_tp1_is_a_noop_and_loss_is_cross_entropy():
+    cases = [("tp=1 no-op", "tp1_noop", {}), ("plain loss and grad norm", "plain_loss_and_norm", {})]
+    _check([tp_worker.run_inline(cases)], cases)
+
+
+@pytest.mark.timeout(180)
+def test_world2_tp2():
+    cases = [
+        ("vocab-parallel loss", "loss", {}),
+        ("bad input", "bad_inputs", {}),
+        ("dense, GQA, qk_norm per_head, tied", "moeflow", dict(kind="dense")),
+        ("dense, qk_norm full", "moeflow", dict(kind="dense", qk_norm="full", tie_embeddings=False)),
+        ("tiny MoE", "moeflow", dict(kind="moe")),
+        ("MoE grads equal over tp", "moe_grads_equal_over_tp", {}),
+        ("pipeline stages", "pipeline_stages", {}),
+        ("HF Llama", "hf", dict(arch="llama")),
+        ("HF Qwen3", "hf", dict(arch="qwen3")),
+        ("HF Qwen3-MoE, moeflow MoE blocks", "hf", dict(arch="qwen3_moe")),
+        ("tp=1 dim of a mesh", "tp1_noop", {}),
+    ]
+    _check(tp_worker.launch(2, cases), cases)
+
+
+@pytest.mark.timeout(240)
+def test_world4_tp2_with_fsdp2_and_ep():
+    cases = [
+        ("tiny MoE, tp=2 x dp=2, FSDP2, activation checkpointing", "moeflow",
+         dict(kind="moe", dp=2, checkpointing="full")),
+        ("dense, tied, tp=2 x dp=2, FSDP2", "moeflow", dict(kind="dense", dp=2)),
+        ("tiny MoE, tp=2 x ep=2", "tp_with_ep", {}),
+    ]
+    _check(tp_worker.launch(4, cases), cases)
