@@ -5,4 +5,17 @@ Importing `moeflow` is cheap (no torch); the heavy names load on first use.
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "parallelize", "ParallelDims"]
+
+
+def __getattr__(name: str):
+    # Lazy, so `moeflow plan` and `moeflow simulate` never import torch.
+    if name == "parallelize":
+        from moeflow.parallel.parallelize import parallelize
+
+        return parallelize
+    if name == "ParallelDims":
+        from moeflow.parallel.dims import ParallelDims
+
+        return ParallelDims
+    raise AttributeError(f"module 'moeflow' has no attribute {name!r}")

@@ -45,6 +45,8 @@ def test_world2_tp2():
         ("HF Qwen3", "hf", dict(arch="qwen3")),
         ("HF Qwen3-MoE, moeflow MoE blocks", "hf", dict(arch="qwen3_moe")),
         ("tp=1 dim of a mesh", "tp1_noop", {}),
+        ("HF Llama through moeflow.parallelize, tp=2", "hf_parallelize", dict(arch="llama", tp=2)),
+        ("HF Qwen3-MoE through moeflow.parallelize, ep=2", "hf_parallelize", dict(arch="qwen3_moe", ep=2)),
     ]
     _check(tp_worker.launch(2, cases), cases)
 
@@ -56,5 +58,7 @@ def test_world4_tp2_with_fsdp2_and_ep():
          dict(kind="moe", dp=2, checkpointing="full")),
         ("dense, tied, tp=2 x dp=2, FSDP2", "moeflow", dict(kind="dense", dp=2)),
         ("tiny MoE, tp=2 x ep=2", "tp_with_ep", {}),
+        ("HF Qwen3-MoE through moeflow.parallelize, tp=2 x ep=2", "hf_parallelize",
+         dict(arch="qwen3_moe", tp=2, ep=2)),
     ]
     _check(tp_worker.launch(4, cases), cases)

@@ -335,6 +335,46 @@ def case_hf(arch: str):
     compare_training(ref, par, tokens, targets)
 
 
+def case_hf_parallelize(arch: str, tp: int = 1, ep: int = 1, steps: int = 3):
+    """moeflow.parallelize on a Hugging Face model object (Qwen3-MoE with moeflow MoE blocks gains EP) vs
+    the same model unparallelized: losses, global gradient norm and parameters after AdamW steps. With
+    ep > 1 each rank holds E/ep experts, compared with the reference's slice."""
+    import moeflow
+    from moeflow.parallel.parallelize import clip_grad_norm_
+    from moeflow.parallel.tensor import tp_loss
+
+    ref = hf_model(arch)
+    par = moeflow.parallelize(copy.deepcopy(ref), tp=tp, ep=ep)
+    dp, dp_rank = par.parallel_dims.dp, dist.get_rank() // tp  # mesh order (..., ep, tp): tp is innermost
+    tokens, targets = batch(64, B=4)
+    share = tokens.shape[0] // dp
+    rows = [slice(r * share, (r + 1) * share) for r in range(dp)]
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    opt_par = torch.optim.AdamW(par.parameters(), lr=1e-3, weight_decay=0.1)
+    for step in range(steps):
+        ref_loss = sum(tp_loss(logits_of(ref, tokens[r]), targets[r]) for r in rows) / dp
+        ref_loss.backward()
+        par_loss = tp_loss(logits_of(par, tokens[rows[dp_rank]]), targets[rows[dp_rank]])
+        par_loss.backward()
+        mean_loss = par_loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        assert_rel(f"loss at step {step}", mean_loss / dist.get_world_size(), ref_loss)
+        want = torch.stack([p.grad.pow(2).sum() for p in ref.parameters()]).sum().sqrt()
+        assert_rel(f"grad norm at step {step}", clip_grad_norm_(par, float("inf")), want)
+        for opt in (opt_ref, opt_par):
+            opt.step()
+            opt.zero_grad()
+    experts = {n: m for n, m in par.named_modules() if hasattr(m, "expert_offset")}
+    ref_params = dict(ref.named_parameters())
+    for name, p in par.named_parameters():
+        owner = name.rsplit(".", 1)[0]
+        want = ref_params[name]
+        if owner in experts:
+            first = experts[owner].expert_offset
+            want = want[first:first + experts[owner].num_experts]
+        assert_rel(f"{name} after {steps} AdamW steps", p, want)
+
+
 def case_loss():
     """tp_loss on vocab-sharded logits (uneven shards, ignore_index, every reduction) vs F.cross_entropy."""
     import torch.nn.functional as F
@@ -439,5 +479,5 @@ CASES = {
     "moeflow": case_moeflow, "moe_grads_equal_over_tp": case_moe_grads_equal_over_tp, "hf": case_hf,
     "loss": case_loss, "bad_inputs": case_bad_inputs, "tp1_noop": case_tp1_noop,
     "plain_loss_and_norm": case_plain_loss_and_norm, "pipeline_stages": case_pipeline_stages,
-    "tp_with_ep": case_tp_with_ep,
+    "tp_with_ep": case_tp_with_ep, "hf_parallelize": case_hf_parallelize,
 }

@@ -11,7 +11,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str) -> int:
+def apply_activation_checkpointing(blocks: nn.ModuleDict | dict, mode: str) -> int:
     """mode 'none' | 'full' | 'every-N'. Returns how many blocks recompute."""
     if mode == "none":
         return 0

@@ -55,6 +55,13 @@ def parallelize(
     dims = ParallelDims(world, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep)
     if hasattr(model, "cfg"):
         dims.check_model(model.cfg)
+    elif dims.pp > 1:
+        raise ValueError(f"parallel.pp = {dims.pp} for a {type(model).__name__}: pipeline parallelism is supported "
+                         f"for moeflow models only yet (load the checkpoint with moeflow.models.hf.from_pretrained "
+                         f"to get one); use tp, ep and data parallelism, or pp = 1")
+    elif dims.ep > 1 and not any(isinstance(m, _moe_type()) for m in model.modules()):
+        raise ValueError(f"parallel.ep = {dims.ep} but {type(model).__name__} has no moeflow MoE layer; for a "
+                         f"Hugging Face MoE model call moeflow.models.hf_live.replace_sparse_moe_blocks(model) first")
     if dims.tp > 1:
         from moeflow.parallel.tensor import check_tp
 
@@ -74,7 +81,7 @@ def parallelize(
                          f"parallelism only; use --parallel.zero=3 (or 2) with tp, pp or ep")
     model.parallel_dims, model.device_mesh, model.zero = dims, None, zero
     if world == 1:
-        apply_activation_checkpointing(model.layers, activation_checkpointing)
+        apply_activation_checkpointing(blocks(model), activation_checkpointing)
         return model
 
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -85,7 +92,7 @@ def parallelize(
         # ZeRO-1 (Rajbhandari et al. 2020, stage 1): every rank keeps all parameters and gradients; the
         # trainer averages gradients with all_reduce_gradients and the optimizer (ZeroRedundancyOptimizer)
         # keeps 1/dp of the state on each rank.
-        apply_activation_checkpointing(model.layers, activation_checkpointing)
+        apply_activation_checkpointing(blocks(model), activation_checkpointing)
         model.grad_group = dist.group.WORLD  # ZeRO-1 is pure data parallelism (checked above)
         return model
 
@@ -102,7 +109,7 @@ def parallelize(
         for stage in stages:
             apply_tensor_parallel(stage, sub(mesh, "tp"), plan=tp_plan)
         model.tp_mesh = sub(mesh, "tp")
-    apply_activation_checkpointing(model.layers, activation_checkpointing)
+    apply_activation_checkpointing(blocks(model), activation_checkpointing)
     _apply_fsdp(model, stages, dims, mesh, zero, mixed_precision, device_type)
     if dims.pp > 1:
         from moeflow.parallel.pipeline import build_schedule, mean_cross_entropy
@@ -115,13 +122,34 @@ def parallelize(
     return model
 
 
-def _apply_expert_parallel(model: nn.Module, ep_group, backend: str) -> None:
-    from moeflow.ep.moe_layer import ExpertParallelMoE
+def _moe_type():
     from moeflow.models.moe import MoE
 
-    for block in model.layers.values():
-        if isinstance(block.feed_forward, MoE):
-            block.feed_forward = ExpertParallelMoE(block.feed_forward, ep_group, backend=backend)
+    return MoE
+
+
+def blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """{layer key: transformer block}: moeflow's `layers` ModuleDict, or a Hugging Face model's
+    `model.layers` ModuleList (the decoder layers FSDP wraps one by one)."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleDict):
+        return dict(layers.items())
+    inner = getattr(model, "model", None)
+    if isinstance(getattr(inner, "layers", None), nn.ModuleList):
+        return {str(i): block for i, block in enumerate(inner.layers)}
+    raise ValueError(f"parallelize: cannot find the transformer blocks of {type(model).__name__} (expected a "
+                     f"moeflow Transformer's .layers or a Hugging Face model's .model.layers)")
+
+
+def _apply_expert_parallel(model: nn.Module, ep_group, backend: str) -> None:
+    """Every moeflow MoE module (moeflow's blocks, or HF sparse blocks swapped for it) becomes an
+    ExpertParallelMoE holding E/ep of the experts."""
+    from moeflow.ep.moe_layer import ExpertParallelMoE
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, _moe_type()):
+                setattr(parent, name, ExpertParallelMoE(child, ep_group, backend=backend))
 
 
 def _apply_fsdp(model, stages, dims: ParallelDims, mesh, zero: int, mixed_precision, device_type: str) -> None:
@@ -135,9 +163,9 @@ def _apply_fsdp(model, stages, dims: ParallelDims, mesh, zero: int, mixed_precis
         fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
     dp_mesh = sub(mesh, "dp_replicate", "dp_shard") if dims.dp_replicate > 1 else sub(mesh, "dp_shard")
     expert_mesh = sub(mesh, "dp_replicate", "efsdp") if dims.dp_replicate > 1 else sub(mesh, "efsdp")
-    for block in model.layers.values():
-        if isinstance(block.feed_forward, ExpertParallelMoE):
-            experts = block.feed_forward.experts
+    for block in blocks(model).values():
+        for moe in (m for m in block.modules() if isinstance(m, ExpertParallelMoE)):
+            experts = moe.experts
             fully_shard(experts, mesh=expert_mesh, shard_placement_fn=balanced_shard(expert_mesh.size()), **fsdp)
             # FSDP averages over the expert mesh (dp / ep ranks), but each expert's gradient sums
             # the tokens of all dp ranks (they arrive through the EP group): divide by dp instead.
@@ -150,7 +178,7 @@ def _apply_fsdp(model, stages, dims: ParallelDims, mesh, zero: int, mixed_precis
                 # gloo collectives block, so every rank must issue them in the same order; FSDP's mid-backward
                 # expert reduce-scatter (efsdp group) and EP's all-to-all (ep group) came out in different
                 # orders on different ranks and deadlocked. Reduce the experts after backward instead.
-                block.feed_forward.defer_expert_grad_sync = True
+                moe.defer_expert_grad_sync = True
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=balanced_shard(dp_mesh.size()), **fsdp)
     # Each stage root gathers its embedding / norm / head; the container of several stages is not run.
     for stage in stages:
