@@ -110,10 +110,11 @@ def test_more_processes_than_cores_warns_and_launches_torchrun(monkeypatch, caps
     monkeypatch.setattr(torch.distributed.run, "main", lambda args: launched.append(args))
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     nproc = (os.cpu_count() or 1) + 1
-    assert cli.main(["train", "--nproc-per-node", str(nproc), "--training.steps=2"]) == 0
+    job = ["--training.steps=2", "--parallel.ep=1", f"--training.global_batch={4 * nproc}"]  # valid on nproc ranks
+    assert cli.main(["train", "--nproc-per-node", str(nproc), *job]) == 0
     assert f"--nproc-per-node {nproc} is more than the {os.cpu_count()} CPU cores" in capsys.readouterr().err
     (args,) = launched
-    assert f"--nproc-per-node={nproc}" in args and args[-2:] == ["train", "--training.steps=2"]
+    assert f"--nproc-per-node={nproc}" in args and args[-4:] == ["train", *job]
 
 
 def test_print_config_and_help(tiny_args):

@@ -76,7 +76,7 @@ def parallelize(
     if zero not in (1, 2, 3):
         raise ValueError(f"parallel.zero = {zero}; use 1 (replicated parameters, sharded optimizer state), "
                          f"2 (FSDP2, parameters kept gathered between forward and backward) or 3 (FSDP2)")
-    if zero == 1 and dims.dp < world:
+    if zero == 1 and (dims.dp < world or dims.ep > 1):
         raise ValueError(f"parallel.zero = 1 with {dims.describe()} is not supported yet: ZeRO-1 runs pure data "
                          f"parallelism only; use --parallel.zero=3 (or 2) with tp, pp or ep")
     model.parallel_dims, model.device_mesh, model.zero = dims, None, zero

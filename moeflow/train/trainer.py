@@ -66,9 +66,20 @@ def check_layout(cfg: JobConfig, world: int) -> tuple[ParallelDims, int]:
         raise ValueError(
             f"training.micro_batch ({micro}) must divide the per-rank batch ({per_rank} = global_batch / {dp})"
         )
-    if dims.pp > 1:
-        from moeflow.parallel.pipeline import validate_microbatches
+    if p.zero == 1 and (dims.dp < world or dims.ep > 1):
+        raise ValueError(f"parallel.zero = 1 with {dims.describe()} is not supported yet: ZeRO-1 runs pure data "
+                         f"parallelism only; use --parallel.zero=3 (or 2) with tp, pp or ep")
+    if dims.tp > 1:
+        from moeflow.parallel.tensor import check_tp
 
+        check_tp(cfg.model, dims.tp)
+    if dims.pp > 1:
+        from moeflow.parallel.pipeline import resolve_schedule, validate_microbatches
+
+        resolve_schedule(p.pp_schedule)
+        if cfg.model.tie_embeddings:
+            raise ValueError("model.tie_embeddings = true with parallel.pp > 1: the embedding and the output head "
+                             "live on different stages; set --model.tie_embeddings=false or parallel.pp = 1")
         validate_microbatches(per_rank, pp_microbatches(cfg, per_rank, micro), p.pp_schedule, dims.pp)
     return dims, micro
 
@@ -109,7 +120,11 @@ def build(cfg: JobConfig, info: DistInfo) -> Setup:
     dp = dims.dp
     torch.manual_seed(t.seed)
 
-    tokenizer = load_tokenizer(d.tokenizer, None if d.source == "stdlib" else d.source)
+    spec = d.tokenizer
+    if spec == "auto" and cfg.model.hf_path and (Path(cfg.model.hf_path) / "tokenizer.json").is_file():
+        spec = cfg.model.hf_path  # the checkpoint's own tokenizer
+    pretokenized = d.source.endswith(".bin")  # ids already; load_tokens checks them against the vocabulary
+    tokenizer = None if pretokenized else load_tokenizer(spec, None if d.source == "stdlib" else d.source)
     if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
@@ -186,6 +201,26 @@ def _forward_backward(cfg: JobConfig, s: Setup, inputs, targets, loads, dropped,
     return loss_sum
 
 
+def _local_bytes(tensors) -> int:
+    """Bytes this rank stores for `tensors` (the local shard of a DTensor)."""
+    locals_ = (t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None)
+    return sum(t.numel() * t.element_size() for t in locals_)
+
+
+def state_bytes(s: Setup, grad_bytes: int) -> dict[str, int]:
+    """The largest rank's bytes of parameters, gradients (as measured after the last backward) and
+    optimizer state (AdamW moments; ZeRO-1 keeps only its partition's)."""
+    local_opt = getattr(s.optimizer, "optim", s.optimizer)
+    sizes = torch.tensor([
+        _local_bytes(s.model.parameters()), grad_bytes,
+        _local_bytes(v for st in local_opt.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0),
+    ], dtype=torch.float64, device=s.info.device)
+    if dist.is_initialized():
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    return dict(zip(("params", "grads", "optimizer"), (int(x) for x in sizes.tolist())))
+
+
 def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True) -> dict:
     """One optimizer step. Returns plain numbers (after one all-reduce of loss and expert load); the
     per-layer expert statistics only when `with_moe_stats`, since they copy every layer to the host."""
@@ -220,9 +255,10 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True) -> dict:
     lr = s.scheduler.get_last_lr()[0]
     if finite:
         s.optimizer.step()
+    grad_bytes = _local_bytes(p.grad for p in model.parameters())  # sizes only: no copy, no sync
     s.optimizer.zero_grad(set_to_none=True)
     s.scheduler.step()
-    out = {"loss": loss_value, "lr": lr, "grad_norm": gn, "skipped": not finite}
+    out = {"loss": loss_value, "lr": lr, "grad_norm": gn, "skipped": not finite, "grad_bytes": grad_bytes}
     if layers:
         global_loads = packed[1 + len(dropped):].view(len(layers), E) / tp
         for layer, r in _local_routers(model).items():
@@ -355,6 +391,7 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
         bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.1e}", tok_s=f"{tokens_per_s:,.0f}")
         bar.update(1)
     bar.close()
+    held = state_bytes(s, out["grad_bytes"]) if stop > start else None
     logger.close()
     elapsed = time.perf_counter() - t_start
     summary = {
@@ -365,6 +402,7 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
         "elapsed_s": elapsed, "checkpoint": str(last_ckpt) if last_ckpt else None,
         "metrics": str(run_dir / "metrics.jsonl"), "tensorboard": str(run_dir / "tb"),
         "mfu": "unknown" if not peak else None,
+        "state_bytes_per_rank": held,
     }
     if info.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -1,0 +1,71 @@
+"""Training from Hugging Face weights: `--model.hf_path DIR`, and a run directory made by `moeflow convert
+hf-to-moeflow`, both start at transformers' own loss on the same first batch (fp32, relative 1e-5)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+import transformers  # noqa: E402
+
+from moeflow.cli import main as cli_main  # noqa: E402
+from moeflow.config import load_config  # noqa: E402
+from moeflow.train.distributed import DistInfo  # noqa: E402
+from moeflow.train.trainer import build, train  # noqa: E402
+
+V = 96
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    cfg = transformers.Qwen3MoeConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, intermediate_size=48, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    folder = tmp_path_factory.mktemp("qwen3moe")
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def _overrides(tmp_path) -> dict:
+    data = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, V, 20000).astype(np.uint16).tofile(data)
+    return {"data.source": str(data), "data.seq_len": 16, "training.global_batch": 4,
+            "training.steps": 2, "eval.every": 0, "eval.batches": 1, "metrics.tensorboard": False,
+            "metrics.log_every": 1}
+
+
+def _transformers_first_loss(cfg, hf_model) -> float:
+    s = build(cfg, DistInfo(0, 1, 0, torch.device("cpu")))
+    x, y = s.sampler.next_batch()  # the trainer's first batch (a fresh sampler with the same seed)
+    with torch.no_grad():
+        return float(F.cross_entropy(hf_model(x).logits.flatten(0, 1), y.flatten()))
+
+
+def _first_loss(run_dir) -> float:
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+
+
+def test_train_from_hf_path_starts_at_the_transformers_loss(hf_folder, tmp_path):
+    folder, hf_model = hf_folder
+    cfg = load_config(None, {**_overrides(tmp_path), "model.hf_path": str(folder), "run_dir": str(tmp_path / "r")})
+    assert cfg.model.moe.num_experts == 4 and cfg.model.n_layers == 2  # the folder's architecture, not a preset
+    want = _transformers_first_loss(cfg, hf_model)
+    summary = train(cfg, fresh=True, progress=False)
+    assert _first_loss(tmp_path / "r") == pytest.approx(want, rel=1e-5)
+    assert summary["steps"] == 2
+
+
+def test_a_converted_run_directory_trains_from_the_weights(hf_folder, tmp_path):
+    folder, hf_model = hf_folder
+    run = tmp_path / "run"
+    assert cli_main(["convert", "hf-to-moeflow", str(folder), str(run)]) == 0
+    cfg = load_config(run / "config.toml", {**_overrides(tmp_path), "run_dir": str(run)})
+    want = _transformers_first_loss(cfg, hf_model)
+    summary = train(cfg, progress=False)  # resumes from checkpoints/step-0: weights only, fresh optimizer
+    assert summary["start_step"] == 0
+    assert _first_loss(run) == pytest.approx(want, rel=1e-5)
