@@ -71,6 +71,8 @@ class TrainingConfig:
     """'fp32', or 'bf16' (autocast; weights and optimizer state stay fp32)."""
     activation_checkpointing: str = "none"
     """'none', 'full' (recompute every block), or 'every-N' (every N-th block)."""
+    compile: bool = False
+    """torch.compile each transformer block (the first steps are slower while it compiles)."""
     on_nonfinite: str = "stop"
     """What a NaN/Inf loss does: 'stop' (error naming the step) or 'skip' (drop that step's update)."""
     device: str = "auto"

@@ -147,6 +147,16 @@ def test_accumulation_and_recomputation_do_not_change_the_step(tiny_args, tmp_pa
     assert plain["final_loss"] == recompute["final_loss"] and accum["final_loss"] == pytest.approx(plain["final_loss"])
 
 
+def test_compiled_blocks_train_the_same_steps(tiny_args, tmp_path):
+    """--training.compile=true (torch.compile per block) gives the eager run's losses."""
+    base = ["--training.steps=2", "--checkpoint.enabled=false", "--model.moe.expert_impl=bmm"]
+    train(_cfg(tiny_args, tmp_path / "eager", *base), progress=False)
+    train(_cfg(tiny_args, tmp_path / "compiled", *base, "--training.compile=true"), progress=False)
+    eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-5)
+
+
 def test_bf16_autocast_trains(tiny_args, tmp_path):
     summary = train(_cfg(tiny_args, tmp_path, "--training.steps=8", "--training.dtype=bf16", "--training.lr=1e-2",
                          "--checkpoint.enabled=false"), progress=False)

@@ -37,6 +37,7 @@ def parallelize(
     pp_microbatches: int | None = None,
     pp_boundaries: list | None = None,
     loss_fn=None,
+    compile: bool = False,
     device_type: str | None = None,
 ) -> nn.Module:
     """Parallelize `model` (a moeflow Transformer) in place over the default process group; returns it.
@@ -82,6 +83,7 @@ def parallelize(
     model.parallel_dims, model.device_mesh, model.zero = dims, None, zero
     if world == 1:
         apply_activation_checkpointing(blocks(model), activation_checkpointing)
+        _compile_blocks(model, compile)
         return model
 
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,6 +95,7 @@ def parallelize(
         # trainer averages gradients with all_reduce_gradients and the optimizer (ZeroRedundancyOptimizer)
         # keeps 1/dp of the state on each rank.
         apply_activation_checkpointing(blocks(model), activation_checkpointing)
+        _compile_blocks(model, compile)
         model.grad_group = dist.group.WORLD  # ZeRO-1 is pure data parallelism (checked above)
         return model
 
@@ -110,6 +113,7 @@ def parallelize(
             apply_tensor_parallel(stage, sub(mesh, "tp"), plan=tp_plan)
         model.tp_mesh = sub(mesh, "tp")
     apply_activation_checkpointing(blocks(model), activation_checkpointing)
+    _compile_blocks(model, compile)
     _apply_fsdp(model, stages, dims, mesh, zero, mixed_precision, device_type)
     if dims.pp > 1:
         from moeflow.parallel.pipeline import build_schedule, mean_cross_entropy
@@ -139,6 +143,20 @@ def blocks(model: nn.Module) -> dict[str, nn.Module]:
         return {str(i): block for i, block in enumerate(inner.layers)}
     raise ValueError(f"parallelize: cannot find the transformer blocks of {type(model).__name__} (expected a "
                      f"moeflow Transformer's .layers or a Hugging Face model's .model.layers)")
+
+
+def _compile_blocks(model: nn.Module, enabled: bool) -> None:
+    if not enabled:
+        return
+    from moeflow.models.moe import GroupedExperts
+
+    for block in blocks(model).values():
+        for experts in (m for m in block.modules() if isinstance(m, GroupedExperts)):
+            if experts.resolve_impl(experts.w1) == "grouped_mm" and experts.w1.dtype == torch.float32:
+                # torch 2.13 traces _grouped_mm only for bf16 (its fake-tensor rule), though the eager CPU
+                # kernel takes fp32: compiled fp32 experts use the padded-bmm path instead.
+                experts.impl = "bmm"
+        block.compile()
 
 
 def _apply_expert_parallel(model: nn.Module, ep_group, backend: str) -> None:

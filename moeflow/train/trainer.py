@@ -109,7 +109,7 @@ def build_model(cfg: JobConfig, device: torch.device, build_optimizer: bool = Tr
     parallelize(model, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero,
                 activation_checkpointing=t.activation_checkpointing, ep_backend=p.ep_backend,
                 pp_schedule=p.pp_schedule, pp_microbatches=pp_microbatches(cfg, t.global_batch // dims.dp, micro),
-                loss_fn=tp_loss, device_type="cpu" if device.type == "meta" else device.type)
+                loss_fn=tp_loss, compile=t.compile, device_type="cpu" if device.type == "meta" else device.type)
     optimizer = make_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2)) if build_optimizer else None
     return model, optimizer
 
