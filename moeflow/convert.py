@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import warnings
 from pathlib import Path
 
 HELP = __doc__.split("\n", 2)[2]
@@ -132,28 +131,16 @@ def _find_checkpoint(src: Path) -> tuple[Path, Path]:
 def _load_model_state(checkpoint: Path, model) -> None:
     """Only the model's tensors from a trainer checkpoint (the optimizer state is not read)."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
-    from moeflow.train import state
-    from moeflow.train.checkpoint import FORMAT
+    from moeflow.train.checkpoint import FORMAT, load_state
 
     extra = json.loads((checkpoint / "extra.json").read_text())
     if extra.get("format") != FORMAT:
         raise ValueError(f"{checkpoint} has checkpoint format {extra.get('format', 1)}; this moeflow reads {FORMAT}")
-    saved = set(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
     # placeholders() names tensors through an optimizer's parameters; one that never stepped holds no state.
     optimizer = torch.optim.AdamW(model.parameters())
-    flat = state.placeholders([model], optimizer, {k for k in saved if k.startswith("model.")})
-    missing = sorted(set(flat) - saved)
-    if missing:
-        raise ValueError(
-            f"{checkpoint} lacks {len(missing)} model tensors (first: {missing[:3]}); does config.toml describe "
-            f"the model that was trained?"
-        )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(flat, checkpoint_id=str(checkpoint))
-    state.apply([model], optimizer, flat)
+    load_state(checkpoint, [model], optimizer, model_only=True,
+               fix="does config.toml describe the model that was trained?")
 
 
 def main(argv: list[str]) -> int:

@@ -59,6 +59,24 @@ def model_parts(model) -> list:
     return list(getattr(model, "parts", [model]))
 
 
+def load_state(path: Path, parts: list, optimizer, fix: str, model_only: bool = False) -> None:
+    """Read a checkpoint's flat state (moeflow.train.state) into the model parts and the optimizer, each rank
+    only what it owns under the current layout. A tensor the model needs but the checkpoint lacks is an error
+    ending in `fix`."""
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    if model_only:
+        saved = {k for k in saved if k.startswith("model.")}
+    flat = state.placeholders(parts, optimizer, saved)
+    missing = sorted(set(flat) - saved)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors this model needs (first: {missing[:3]}); "
+                         f"{fix}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(flat, checkpoint_id=str(path))
+    state.apply(parts, optimizer, flat)
+
+
 class CheckpointManager:
     def __init__(self, run_dir: str | Path, keep: int, rank: int):
         self.root = Path(run_dir) / "checkpoints"
@@ -117,19 +135,8 @@ class CheckpointManager:
                 f"checkpoint {path} was written by an older moeflow (format {extra.get('format', 1)}, this one "
                 f"reads {FORMAT}); start a new --run-dir or pass --fresh"
             )
-        parts = model_parts(model)
-        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        flat = state.placeholders(parts, optimizer, saved)
-        missing = sorted(set(flat) - saved)
-        if missing:
-            raise ValueError(
-                f"checkpoint {path} lacks {len(missing)} tensors this model needs (first: {missing[:3]}); "
-                f"was it saved from another model? Start a new --run-dir or pass --fresh"
-            )
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(flat, checkpoint_id=str(path))
-        state.apply(parts, optimizer, flat)
+        load_state(path, model_parts(model), optimizer,
+                   fix="was it saved from another model? Start a new --run-dir or pass --fresh")
         rng_file = path / f"rng-rank{self.rank}.pt"
         if rng_file.is_file():  # absent when resuming with more ranks than were saved
             rng = torch.load(rng_file, weights_only=False)
