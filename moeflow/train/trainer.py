@@ -92,10 +92,13 @@ def build_model(cfg: JobConfig, device: torch.device, build_optimizer: bool = Tr
     """(model, optimizer): the model built identically on every rank, then parallelized by cfg.parallel.
     On the meta device (dry runs) nothing is allocated or initialised."""
     t, p = cfg.training, cfg.parallel
-    if device.type == "meta":
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    # With data / expert parallelism only, Hugging Face weights go straight into each rank's shards.
+    owned_read = bool(cfg.model.hf_path) and device.type != "meta" and world > 1 and p.tp == 1 and p.pp == 1
+    if device.type == "meta" or owned_read:
         with torch.device("meta"):
             model = Transformer(cfg.model)
-    elif cfg.model.hf_path:  # Hugging Face weights, read on every rank before sharding
+    elif cfg.model.hf_path:  # Hugging Face weights, read whole on every rank, then sharded
         from moeflow.models.hf import load_for_training
 
         model, _ = load_for_training(cfg.model)
@@ -104,12 +107,16 @@ def build_model(cfg: JobConfig, device: torch.device, build_optimizer: bool = Tr
         model = Transformer(cfg.model)
         model.init_weights(seed=t.seed)  # identical on every rank before sharding
         model.to(device)
-    world = dist.get_world_size() if dist.is_initialized() else 1
     dims, micro = check_layout(cfg, world)
     parallelize(model, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero,
                 activation_checkpointing=t.activation_checkpointing, ep_backend=p.ep_backend,
                 pp_schedule=p.pp_schedule, pp_microbatches=pp_microbatches(cfg, t.global_batch // dims.dp, micro),
                 loss_fn=tp_loss, compile=t.compile, device_type="cpu" if device.type == "meta" else device.type)
+    if owned_read:
+        from moeflow.train.hf_sharded import load_owned
+
+        model.to_empty(device=device)
+        model.hf_bytes_read = load_owned(model, cfg.model)
     optimizer = make_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2)) if build_optimizer else None
     return model, optimizer
 
@@ -403,6 +410,7 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
         "metrics": str(run_dir / "metrics.jsonl"), "tensorboard": str(run_dir / "tb"),
         "mfu": "unknown" if not peak else None,
         "state_bytes_per_rank": held,
+        "hf_bytes_read_rank0": getattr(s.model, "hf_bytes_read", None),  # set when each rank read its shards
     }
     if info.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
