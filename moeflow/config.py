@@ -92,7 +92,7 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (borrowed from the data-parallel ranks)."""
     zero: int = 3
-    """ZeRO stage of data parallelism: 1 (DDP + sharded optimizer), 2, or 3 (FSDP2)."""
+    """ZeRO stage: 1 (replicated weights, one gradient all-reduce, ZeroRedundancyOptimizer), 2 or 3 (FSDP2)."""
     pp_schedule: str = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
     pp_microbatches: int = 0

@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, cases, tmp: str) -> None:
     # A short timeout: a case that fails on one rank leaves its peers in a collective until it expires.
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    if os.environ.get("FH"):
+    if os.environ.get("FH"):  # FH=seconds: dump every rank's stack to /tmp/fhR.txt after that long (hangs)
         import faulthandler
 
         faulthandler.dump_traceback_later(int(os.environ["FH"]), file=open(f"/tmp/fh{rank}.txt", "w"))
