@@ -73,17 +73,19 @@ def test_a_converted_run_directory_trains_from_the_weights(hf_folder, tmp_path):
 
 def test_data_and_expert_parallel_ranks_read_only_their_part(hf_folder, tmp_path):
     """Under ep=2 (FSDP2 over the same 2 ranks) each rank reads the dense tensors and only its half of the
-    experts, straight into its shards, and trains the single-process run's losses."""
+    experts, straight into its shards, and trains the single-process run's losses; tp=2 likewise."""
     from tests.layout_worker import launch
 
     folder, _ = hf_folder
     overrides = {**_overrides(tmp_path), "model.hf_path": str(folder)}
     argv = [f"--{k}={v}" for k, v in overrides.items()]
     train(load_config(None, {**overrides, "run_dir": str(tmp_path / "one")}), fresh=True, progress=False)
-    results = launch(2, [("ep2", [*argv, "--parallel.ep=2"], str(tmp_path / "ep2"), False)])
-    assert results["ep2"] == "ok", results["ep2"]
+    results = launch(2, [("ep2", [*argv, "--parallel.ep=2"], str(tmp_path / "ep2"), False),
+                         ("tp2", [*argv, "--parallel.tp=2"], str(tmp_path / "tp2"), False)])
     losses = lambda r: [json.loads(line)["loss"] for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
-    assert losses("ep2") == pytest.approx(losses("one"), rel=1e-5)
+    for name in ("ep2", "tp2"):  # tp=2: each rank keeps its column/row shards (and the whole MoE layers)
+        assert results[name] == "ok", results[name]
+        assert losses(name) == pytest.approx(losses("one"), rel=1e-5)
     read = json.loads((tmp_path / "ep2" / "summary.json").read_text())["hf_bytes_read_rank0"]
     on_disk = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     assert read < 0.8 * on_disk, (read, on_disk)  # experts are most of this model; rank 0 read half of them
