@@ -76,14 +76,18 @@ def test_data_and_expert_parallel_ranks_read_only_their_part(hf_folder, tmp_path
     experts, straight into its shards, and trains the single-process run's losses; tp=2 likewise."""
     from tests.layout_worker import launch
 
-    folder, _ = hf_folder
+    folder, hf_model = hf_folder
     overrides = {**_overrides(tmp_path), "model.hf_path": str(folder)}
     argv = [f"--{k}={v}" for k, v in overrides.items()]
     train(load_config(None, {**overrides, "run_dir": str(tmp_path / "one")}), fresh=True, progress=False)
+    fused = tmp_path / "fused"  # transformers' in-memory layout: gate_up_proj [E, 2F, D], read by expert slices
+    hf_model.save_pretrained(fused, save_original_format=False)
+    fused_argv = [a for a in argv if not a.startswith("--model.hf_path")] + [f"--model.hf_path={fused}"]
     results = launch(2, [("ep2", [*argv, "--parallel.ep=2"], str(tmp_path / "ep2"), False),
-                         ("tp2", [*argv, "--parallel.tp=2"], str(tmp_path / "tp2"), False)])
+                         ("tp2", [*argv, "--parallel.tp=2"], str(tmp_path / "tp2"), False),
+                         ("fused-ep2", [*fused_argv, "--parallel.ep=2"], str(tmp_path / "fused-ep2"), False)])
     losses = lambda r: [json.loads(line)["loss"] for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
-    for name in ("ep2", "tp2"):  # tp=2: each rank keeps its column/row shards (and the whole MoE layers)
+    for name in ("ep2", "tp2", "fused-ep2"):  # tp=2: each rank keeps its column/row shards (and whole MoE layers)
         assert results[name] == "ok", results[name]
         assert losses(name) == pytest.approx(losses("one"), rel=1e-5)
     read = json.loads((tmp_path / "ep2" / "summary.json").read_text())["hf_bytes_read_rank0"]

@@ -44,6 +44,7 @@ LAYOUTS = {
         "pp2-dp2": ["--parallel.pp=2"],
         "ep2-tp2": ["--parallel.ep=2", "--parallel.tp=2"],
         "ep2-pp2": ["--parallel.ep=2", "--parallel.pp=2"],
+        "hsdp2x2-ep2": ["--parallel.dp_replicate=2", "--parallel.ep=2"],
     },
     8: {
         "tp2-pp2-dp2": ["--parallel.tp=2", "--parallel.pp=2"],
@@ -55,7 +56,7 @@ LAYOUTS = {
 PLANNED = {
     "dp2-zero1": (1, 2, 1, 1, 1, 1), "dp2-zero3": (1, 2, 1, 1, 1, 3), "ep2": (1, 2, 1, 1, 2, 3),
     "pp2-1f1b": (1, 1, 1, 2, 1, 3), "hsdp2x2": (2, 2, 1, 1, 1, 3), "ep4": (1, 4, 1, 1, 4, 3),
-    "ep2-dp4": (1, 4, 1, 1, 2, 3), "pp2-dp2": (1, 2, 1, 2, 1, 3),
+    "ep2-dp4": (1, 4, 1, 1, 2, 3), "pp2-dp2": (1, 2, 1, 2, 1, 3), "hsdp2x2-ep2": (2, 2, 1, 1, 2, 3),
 }
 # Resharded resume: steps 1-2 under dp=4, 3-4 under tp=2 x dp=2, 5-6 under ep=2 x pp=2 (the chain).
 RESHARD = [["--training.stop_at=2"], ["--parallel.tp=2", "--training.stop_at=4"],

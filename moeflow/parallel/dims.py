@@ -65,13 +65,10 @@ class ParallelDims:
                     f"parallel.ep ({self.ep}) must divide model.moe.num_experts ({cfg.moe.num_experts}); "
                     f"choose ep in {divisors(cfg.moe.num_experts)}"
                 )
-        if self.tp > 1:
-            for name, value in (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.kv_heads),
-                                ("model.ffn_dim", cfg.ffn_dim)):
-                if value % self.tp:
-                    raise ValueError(
-                        f"parallel.tp ({self.tp}) must divide {name} ({value}); choose tp in {divisors(value)}"
-                    )
+        if self.tp > 1:  # the widths tensor parallelism shards (not MoE layers, which it replicates)
+            from moeflow.parallel.tensor import check_tp
+
+            check_tp(cfg, self.tp)
         if self.pp > cfg.n_layers:
             raise ValueError(
                 f"parallel.pp ({self.pp}) is larger than model.n_layers ({cfg.n_layers}); each stage needs a layer"

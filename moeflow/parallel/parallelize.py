@@ -193,9 +193,10 @@ def _apply_fsdp(model, stages, dims: ParallelDims, mesh, zero: int, mixed_precis
                 # one rank: torch 2.13 then divides in its local copy and again after (found by
                 # tests/test_layouts.py: expert gradients came out 1/dp of the right ones).
                 experts.set_force_sum_reduction_for_comms(True)
+            if device_type == "cpu" and (dims.efsdp > 1 or dims.dp_replicate > 1):
                 # gloo collectives block, so every rank must issue them in the same order; FSDP's mid-backward
-                # expert reduce-scatter (efsdp group) and EP's all-to-all (ep group) came out in different
-                # orders on different ranks and deadlocked. Reduce the experts after backward instead.
+                # expert reduce-scatter / replica all-reduce and EP's all-to-all (ep group) came out in
+                # different orders on different ranks and deadlocked. Reduce the experts after backward.
                 moe.defer_expert_grad_sync = True
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=balanced_shard(dp_mesh.size()), **fsdp)
     # Each stage root gathers its embedding / norm / head; the container of several stages is not run.
@@ -210,11 +211,12 @@ def balanced_shard(ranks: int):
     from torch.distributed.tensor import Shard
 
     def place(param: torch.Tensor):
-        if param.ndim == 0 or param.shape[0] >= ranks:
+        shape = param.to_local().shape if hasattr(param, "to_local") else param.shape  # FSDP shards the TP shard
+        if param.ndim == 0 or shape[0] >= ranks:
             return Shard(0)
         # FSDP2 shards dims other than 0 only evenly
-        even = [d for d in range(1, param.ndim) if param.shape[d] % ranks == 0]
-        return Shard(max(even, key=lambda d: param.shape[d])) if even else Shard(0)
+        even = [d for d in range(1, param.ndim) if shape[d] % ranks == 0]
+        return Shard(max(even, key=lambda d: shape[d])) if even else Shard(0)
 
     return place
 

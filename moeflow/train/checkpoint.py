@@ -68,9 +68,16 @@ def load_state(path: Path, parts: list, optimizer, fix: str, model_only: bool = 
         saved = {k for k in saved if k.startswith("model.")}
     flat = state.placeholders(parts, optimizer, saved)
     missing = sorted(set(flat) - saved)
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors this model needs (first: {missing[:3]}); "
-                         f"{fix}")
+    # Ranks own different keys (pipeline stages, EP ranks): decide together, so none waits in dcp.load for a
+    # peer that has already raised.
+    count = torch.tensor([len(missing)])
+    if torch.distributed.is_initialized():
+        if torch.distributed.get_backend() == "nccl":
+            count = count.cuda()
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    if int(count):
+        shown = f" (first: {missing[:3]})" if missing else " (on another rank)"
+        raise ValueError(f"checkpoint {path} lacks tensors this model needs{shown}; {fix}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(flat, checkpoint_id=str(path))

@@ -23,6 +23,18 @@ def _local_numel(t: torch.Tensor) -> int:
     return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
 
 
+def _gathered_numel(t: torch.Tensor) -> int:
+    """Elements of `t` once FSDP has gathered it: the global size divided by its tensor-parallel sharding."""
+    if not isinstance(t, DTensor):
+        return t.numel()
+    names = t.device_mesh.mesh_dim_names or ()
+    tp_split = 1
+    for dim, placement in enumerate(t.placements):
+        if dim < len(names) and names[dim] == "tp" and placement.is_shard():
+            tp_split *= t.device_mesh.size(dim)
+    return t.numel() // tp_split
+
+
 def rank_state(cfg: JobConfig, world_size: int, rank: int) -> dict:
     """Build and parallelize the model as `rank` of `world_size` would; count what it holds."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -39,7 +51,7 @@ def rank_state(cfg: JobConfig, world_size: int, rank: int) -> dict:
         sharded = sum(_local_numel(p) for p in params)
         # ZeRO-2 (FSDP2 without resharding after forward) holds every layer's gathered weights from its
         # forward to its backward: at the peak, the whole (tp/ep-local) model.
-        held = sum(p.numel() for p in params) if cfg.parallel.zero == 2 else sharded
+        held = sum(_gathered_numel(p) for p in params) if cfg.parallel.zero == 2 else sharded
         local_opt = getattr(optimizer, "optim", optimizer)  # ZeRO-1 holds only its partition's state
         opt_params = sum(_local_numel(p) for g in local_opt.param_groups for p in g["params"])
         grads = held if cfg.parallel.zero == 1 else sharded

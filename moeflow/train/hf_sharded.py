@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moeflow.models.config import ModelConfig
-from moeflow.models.hf import _check_names, copy_into, read_header, read_hf_config, weight_files
+from moeflow.models.hf import _check_names, copy_into, hf_shape, read_header, read_hf_config, weight_files
 from moeflow.models.hf_arch import arch_of, tensor_rules
 from moeflow.train.state import expert_slices
 
@@ -55,6 +55,15 @@ def load_owned(model: torch.nn.Module, cfg: ModelConfig) -> int:
     for r in rules:
         if wanted(r):
             by_name[r.hf].append(r)
+            if r.mf not in experts and list(hf_shape(r, state[r.mf].shape)) != list(present[r.hf][1]):
+                raise ValueError(f"{r.hf} has shape {list(present[r.hf][1])} in {folder}, but the model needs "
+                                 f"{hf_shape(r, state[r.mf].shape)} for {r.mf}; does config.json match the weights?")
+    filled = {r.mf for rs in by_name.values() for r in rs}
+    unfilled = [k for k in state if k not in filled and not k.endswith("router.expert_bias")
+                and not (cfg.tie_embeddings and k == "output.weight")]
+    if unfilled:
+        raise ValueError(f"no tensor in {folder} fills {unfilled[:3]} ({len(unfilled)} in all); is it a "
+                         f"complete {arch.name if hasattr(arch, 'name') else 'model'} checkpoint?")
     remaining = Counter(r.mf for rs in by_name.values() for r in rs)
     staging: dict[str, torch.Tensor] = {}
     read = 0
@@ -67,18 +76,20 @@ def load_owned(model: torch.nn.Module, cfg: ModelConfig) -> int:
                 for name in f.keys():
                     if name not in by_name:
                         continue
-                    src = f.get_tensor(name)
+                    rules_here = by_name[name]
+                    fused_experts = [experts[r.mf] for r in rules_here if r.mf in experts and r.expert is None]
+                    if fused_experts:  # a fused [E, ...] tensor: read only this rank's experts
+                        first, count = fused_experts[0]
+                        src = f.get_slice(name)[first:first + count]
+                    else:
+                        src = f.get_tensor(name)
                     read += src.numel() * src.element_size()
-                    for r in by_name[name]:
+                    for r in rules_here:
                         dst = state[r.mf]
                         if r.mf not in staging:
                             staging[r.mf] = torch.empty(_global_shape(dst), dtype=dst.dtype)
-                        if r.mf in experts:
-                            first, count = experts[r.mf]
-                            if r.expert is not None:  # one expert's tensor
-                                r = dataclasses.replace(r, expert=r.expert - first)
-                            else:  # a fused [E, ...] tensor: this rank's experts only
-                                src = src[first:first + count]
+                        if r.mf in experts and r.expert is not None:  # one expert's tensor, by local index
+                            r = dataclasses.replace(r, expert=r.expert - experts[r.mf][0])
                         copy_into(staging[r.mf], src, r)
                         remaining[r.mf] -= 1
                         if remaining[r.mf] == 0:

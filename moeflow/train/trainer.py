@@ -145,6 +145,12 @@ def build(cfg: JobConfig, info: DistInfo) -> Setup:
     dp_rank = ParallelDims.submesh(mesh, "dp").get_local_rank() if mesh is not None else 0
     sampler = BatchSampler(train_tokens, d.seq_len, t.global_batch, dp_rank, dp, t.seed)
     val = val_batches(val_tokens, d.seq_len, t.global_batch, cfg.eval.batches)
+    if dims.pp > 1 and val and any(x.shape[0] != t.global_batch for x, _ in val):
+        # a pipeline evaluates in the training step's micro-batch shape (its receive buffers are sized for it)
+        val = [(x, y) for x, y in val if x.shape[0] == t.global_batch]
+        if not val and info.is_main:
+            print(f"note: the validation split has fewer than training.global_batch ({t.global_batch}) windows, "
+                  f"which a pipeline-parallel run cannot evaluate; raise data.val_fraction to get val_loss")
     layout = "1 process"
     if info.world_size > 1 and dims.pp > 1:
         layout = (f"{dims.describe()} ({info.world_size} ranks, {cfg.parallel.pp_schedule} with "
