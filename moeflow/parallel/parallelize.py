@@ -37,6 +37,7 @@ def parallelize(
     pp_microbatches: int | None = None,
     pp_boundaries: list | None = None,
     loss_fn=None,
+    pp_microbatch_shape: tuple[int, int] | None = None,
     compile: bool = False,
     device_type: str | None = None,
 ) -> nn.Module:
@@ -47,7 +48,8 @@ def parallelize(
     from forward to backward), 3 (FSDP2). tp_plan: {module-name pattern: ParallelStyle}, default
     moeflow.parallel.tensor.tp_plan(model). pp_schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
     InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; pp_microbatches: micro-batches per step (required
-    with pp > 1); pp_boundaries: the first layer of each stage (default: an even split).
+    with pp > 1); pp_boundaries: the first layer of each stage (default: an even split);
+    pp_microbatch_shape: (rows, seq) of one micro-batch of fp32 activations, to skip torch's shape inference.
 
     Attached: `model.parallel_dims`, `model.device_mesh` (None at world size 1), and with pp > 1
     `model.pp_runner` (moeflow.parallel.pipeline.PipelineRunner: step(inputs, targets) -> loss).
@@ -122,7 +124,8 @@ def parallelize(
                                                                                        torch.cuda.current_device())
         model.pp_runner = build_schedule(stages, sub(mesh, "pp").get_local_rank(), dims.pp,
                                          sub(mesh, "pp").get_group(), device, pp_schedule, pp_microbatches,
-                                         loss_fn=loss_fn or mean_cross_entropy)
+                                         loss_fn=loss_fn or mean_cross_entropy,
+                                         microbatch_shape=pp_microbatch_shape if dims.tp == 1 else None)
     return model
 
 

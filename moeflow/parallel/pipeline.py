@@ -450,6 +450,27 @@ def _keep_fsdp_unsharded_in_step(stage_modules: Sequence[nn.Module]) -> None:
                 sub.set_reshard_after_forward(False, recurse=False)
 
 
+def _static_shapes(module, index: int, num_stages: int, device, microbatch_shape) -> dict:
+    """input_args / output_args of one stage for a micro-batch of (rows, seq) token ids, fp32 activations.
+
+    Given these, torch's stages skip their shape-inference forward and backward, which run every stage
+    once on uninitialised memory (torch.empty) before the first step: through the routers, FSDP's
+    all-gathers and moeflow.ep's all-to-alls, whose order then differed between the ranks of an EP group
+    (garbage routes tokens differently) and deadlocked on gloo (captured with tests/layout_worker.py FH=).
+    Only for plain tensors: with tensor parallelism the last stage returns DTensor logits, whose gradient
+    metadata torch must infer itself (microbatch_shape None).
+    """
+    if microbatch_shape is None:
+        return {}
+    B, S = microbatch_shape
+    cfg = module.cfg
+    first, last = index == 0, index == num_stages - 1
+    hidden_in = torch.empty(B, S, cfg.dim, device=device, requires_grad=True)  # gradients flow back
+    inputs = torch.zeros(B, S, dtype=torch.long, device=device) if first else hidden_in
+    outputs = torch.empty(B, S, cfg.vocab_size if last else cfg.dim, device=device, requires_grad=True)
+    return {"input_args": (inputs,), "output_args": (outputs,)}
+
+
 def build_schedule(
     stage_modules: Sequence[nn.Module],
     pp_rank: int,
@@ -459,6 +480,7 @@ def build_schedule(
     schedule_name: str,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mean_cross_entropy,
+    microbatch_shape: tuple[int, int] | None = None,
 ) -> PipelineRunner:
     """Wrap this rank's stage modules (as `build_stage_modules` returned them, after any FSDP / EP
     wrapping) in PipelineStages and the named schedule. `loss_fn` must average over the micro-batch.
@@ -466,7 +488,8 @@ def build_schedule(
     With FSDP2, shard each block and then each stage module (its root): torch's PipelineStage
     recognises an FSDP root and reduce-scatters the gradients once per step, after the last
     micro-batch. Under the zero-bubble schedules this sets reshard_after_forward=False on every FSDP
-    module of the stages (see _keep_fsdp_unsharded_in_step)."""
+    module of the stages (see _keep_fsdp_unsharded_in_step). `microbatch_shape` (rows, seq) of fp32 plain
+    activations lets the stages skip torch's shape inference (see _static_shapes)."""
     name = resolve_schedule(schedule_name)
     info = SCHEDULES[name]
     per_rank = len(stage_modules)
@@ -476,7 +499,8 @@ def build_schedule(
     num_stages = pp_size * per_rank
     indices = sorted(s for s in range(num_stages) if stage_rank(s, pp_size, num_stages, info.placement) == pp_rank)
     stages = [
-        _RouterLoadStage(module, index, num_stages, device, group=pp_group)
+        _RouterLoadStage(module, index, num_stages, device, group=pp_group,
+                         **_static_shapes(module, index, num_stages, device, microbatch_shape))
         for module, index in zip(stage_modules, indices)
     ]
     if info.placement == "single":

@@ -108,9 +108,11 @@ def build_model(cfg: JobConfig, device: torch.device, build_optimizer: bool = Tr
         model.init_weights(seed=t.seed)  # identical on every rank before sharding
         model.to(device)
     dims, micro = check_layout(cfg, world)
+    n_mb = pp_microbatches(cfg, t.global_batch // dims.dp, micro)
+    mb_shape = (t.global_batch // dims.dp // n_mb, cfg.data.seq_len) if t.dtype == "fp32" else None
     parallelize(model, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero,
                 activation_checkpointing=t.activation_checkpointing, ep_backend=p.ep_backend,
-                pp_schedule=p.pp_schedule, pp_microbatches=pp_microbatches(cfg, t.global_batch // dims.dp, micro),
+                pp_schedule=p.pp_schedule, pp_microbatches=n_mb, pp_microbatch_shape=mb_shape,
                 loss_fn=tp_loss, compile=t.compile, device_type="cpu" if device.type == "meta" else device.type)
     if owned_read:
         from moeflow.train.hf_sharded import load_owned
