@@ -37,7 +37,7 @@ def parallelize(
     pp_microbatches: int | None = None,
     pp_boundaries: list | None = None,
     loss_fn=None,
-    pp_microbatch_shape: tuple[int, int] | None = None,
+    pp_microbatch_shape: tuple | None = None,
     compile: bool = False,
     device_type: str | None = None,
 ) -> nn.Module:
@@ -49,7 +49,7 @@ def parallelize(
     moeflow.parallel.tensor.tp_plan(model). pp_schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
     InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; pp_microbatches: micro-batches per step (required
     with pp > 1); pp_boundaries: the first layer of each stage (default: an even split);
-    pp_microbatch_shape: (rows, seq) of one micro-batch of fp32 activations, to skip torch's shape inference.
+    pp_microbatch_shape: (rows, seq, logits dtype) of one micro-batch, to skip torch's shape inference.
 
     Attached: `model.parallel_dims`, `model.device_mesh` (None at world size 1), and with pp > 1
     `model.pp_runner` (moeflow.parallel.pipeline.PipelineRunner: step(inputs, targets) -> loss).

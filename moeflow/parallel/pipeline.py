@@ -451,7 +451,7 @@ def _keep_fsdp_unsharded_in_step(stage_modules: Sequence[nn.Module]) -> None:
 
 
 def _static_shapes(module, index: int, num_stages: int, device, microbatch_shape) -> dict:
-    """input_args / output_args of one stage for a micro-batch of (rows, seq) token ids, fp32 activations.
+    """input_args / output_args of one stage for a micro-batch of (rows, seq[, logits dtype]) token ids.
 
     Given these, torch's stages skip their shape-inference forward and backward, which run every stage
     once on uninitialised memory (torch.empty) before the first step: through the routers, FSDP's
@@ -462,12 +462,14 @@ def _static_shapes(module, index: int, num_stages: int, device, microbatch_shape
     """
     if microbatch_shape is None:
         return {}
-    B, S = microbatch_shape
+    B, S, *rest = microbatch_shape
+    logits_dtype = rest[0] if rest else torch.float32  # bf16 under autocast; the residual stream stays fp32
     cfg = module.cfg
     first, last = index == 0, index == num_stages - 1
     hidden_in = torch.empty(B, S, cfg.dim, device=device, requires_grad=True)  # gradients flow back
     inputs = torch.zeros(B, S, dtype=torch.long, device=device) if first else hidden_in
-    outputs = torch.empty(B, S, cfg.vocab_size if last else cfg.dim, device=device, requires_grad=True)
+    outputs = (torch.empty(B, S, cfg.vocab_size, device=device, dtype=logits_dtype, requires_grad=True) if last
+               else torch.empty(B, S, cfg.dim, device=device, requires_grad=True))
     return {"input_args": (inputs,), "output_args": (outputs,)}
 
 
@@ -480,7 +482,7 @@ def build_schedule(
     schedule_name: str,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mean_cross_entropy,
-    microbatch_shape: tuple[int, int] | None = None,
+    microbatch_shape: tuple | None = None,
 ) -> PipelineRunner:
     """Wrap this rank's stage modules (as `build_stage_modules` returned them, after any FSDP / EP
     wrapping) in PipelineStages and the named schedule. `loss_fn` must average over the micro-batch.

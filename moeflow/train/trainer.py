@@ -109,7 +109,8 @@ def build_model(cfg: JobConfig, device: torch.device, build_optimizer: bool = Tr
         model.to(device)
     dims, micro = check_layout(cfg, world)
     n_mb = pp_microbatches(cfg, t.global_batch // dims.dp, micro)
-    mb_shape = (t.global_batch // dims.dp // n_mb, cfg.data.seq_len) if t.dtype == "fp32" else None
+    mb_shape = (t.global_batch // dims.dp // n_mb, cfg.data.seq_len,
+                torch.bfloat16 if t.dtype == "bf16" else torch.float32)
     parallelize(model, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero,
                 activation_checkpointing=t.activation_checkpointing, ep_backend=p.ep_backend,
                 pp_schedule=p.pp_schedule, pp_microbatches=n_mb, pp_microbatch_shape=mb_shape,
