@@ -85,9 +85,10 @@ def test_data_and_expert_parallel_ranks_read_only_their_part(hf_folder, tmp_path
     fused_argv = [a for a in argv if not a.startswith("--model.hf_path")] + [f"--model.hf_path={fused}"]
     results = launch(2, [("ep2", [*argv, "--parallel.ep=2"], str(tmp_path / "ep2"), False),
                          ("tp2", [*argv, "--parallel.tp=2"], str(tmp_path / "tp2"), False),
+                         ("pp2", [*argv, "--parallel.pp=2", "--parallel.ep=1"], str(tmp_path / "pp2"), False),
                          ("fused-ep2", [*fused_argv, "--parallel.ep=2"], str(tmp_path / "fused-ep2"), False)])
     losses = lambda r: [json.loads(line)["loss"] for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
-    for name in ("ep2", "tp2", "fused-ep2"):  # tp=2: each rank keeps its column/row shards (and whole MoE layers)
+    for name in ("ep2", "tp2", "pp2", "fused-ep2"):  # tp: column/row shards (MoE layers whole); pp: its stage
         assert results[name] == "ok", results[name]
         assert losses(name) == pytest.approx(losses("one"), rel=1e-5)
     read = json.loads((tmp_path / "ep2" / "summary.json").read_text())["hf_bytes_read_rank0"]

@@ -1,13 +1,13 @@
 """Fill a parallelized model from a Hugging Face folder, each rank reading only what it holds.
 
-The model is built on the meta device, parallelized (FSDP2 / HSDP / TP / expert parallelism), then given
+The model is built on the meta device, parallelized (FSDP2 / HSDP / TP / PP / expert parallelism), then given
 uninitialised local storage (`to_empty`). Each rank then streams the safetensors files and:
 - skips expert tensors of experts other EP ranks hold (with EP, most of an MoE checkpoint's bytes),
 - for every other tensor, assembles the moeflow tensor it feeds (one at a time: the HF tensors of one
   moeflow tensor, e.g. the two halves of a fused gate_up_proj, may come in any order) and keeps only its
   own shard (DTensor local chunking, no communication).
 So no rank ever holds the full model, and ranks of different EP groups read disjoint expert bytes.
-Pipeline parallelism is not handled here (the trainer loads that layout whole on each rank, then splits).
+Under pipeline parallelism the trimmed stage model simply lacks the other stages' tensors, which are skipped.
 """
 
 from __future__ import annotations

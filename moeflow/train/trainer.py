@@ -93,8 +93,8 @@ def build_model(cfg: JobConfig, device: torch.device, build_optimizer: bool = Tr
     On the meta device (dry runs) nothing is allocated or initialised."""
     t, p = cfg.training, cfg.parallel
     world = dist.get_world_size() if dist.is_initialized() else 1
-    # Without pipeline parallelism, Hugging Face weights go straight into each rank's shards.
-    owned_read = bool(cfg.model.hf_path) and device.type != "meta" and world > 1 and p.pp == 1
+    # Under any layout, Hugging Face weights go straight into each rank's shards (moeflow/train/hf_sharded.py).
+    owned_read = bool(cfg.model.hf_path) and device.type != "meta" and world > 1
     if device.type == "meta" or owned_read:
         with torch.device("meta"):
             model = Transformer(cfg.model)
