@@ -52,30 +52,43 @@ def _param_names(parts: list[nn.Module]) -> dict[int, str]:
     return {id(p): n for part in parts for n, p in part.named_parameters()}
 
 
+def _expert_ids(experts: dict, fqn: str, like: torch.Tensor) -> range | None:
+    """The global ids of the experts `like` (a tensor stored under `fqn`) holds; None if not expert-indexed."""
+    if fqn in experts and like.dim() > 0:
+        first, count = experts[fqn]
+        return range(first, first + count)
+    return None
+
+
+def _optimizer_params(parts: list[nn.Module], optimizer):
+    """(the optimizer holding this rank's state, [(parameter, fqn)]) in the optimizer's order."""
+    names = _param_names(parts)
+    local = _local_optimizer(optimizer)
+    return local, [(p, names[id(p)]) for group in local.param_groups for p in group["params"]]
+
+
 def gather(parts: list[nn.Module], optimizer) -> dict[str, torch.Tensor]:
     """The flat state to save (see the module docstring)."""
     experts = expert_slices(parts)
     flat: dict[str, torch.Tensor] = {}
 
     def put(key: str, fqn: str, value: torch.Tensor) -> None:
-        if fqn in experts and value.dim() > 0:
-            first, count = experts[fqn]
-            full = _full(value)
-            for i in range(count):
-                flat[f"{key}.{first + i}"] = full[i].clone()
-        else:
+        ids = _expert_ids(experts, fqn, value)
+        if ids is None:
             flat[key] = value
+            return
+        full = _full(value)
+        for i, expert in enumerate(ids):
+            flat[f"{key}.{expert}"] = full[i].clone()
 
     for part in parts:
         for fqn, value in part.state_dict().items():
             put(f"model.{fqn}", fqn, value)
-    names = _param_names(parts)
-    local = _local_optimizer(optimizer)
-    for group in local.param_groups:
-        for p in group["params"]:
-            for k, v in local.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor):
-                    put(f"optim.state.{names[id(p)]}.{k}", names[id(p)], v)
+    local, params = _optimizer_params(parts, optimizer)
+    for p, fqn in params:
+        for k, v in local.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                put(f"optim.state.{fqn}.{k}", fqn, v)
     return flat
 
 
@@ -88,28 +101,24 @@ def placeholders(parts: list[nn.Module], optimizer, saved_keys: set[str]) -> dic
     flat: dict[str, torch.Tensor] = {}
 
     def want(key: str, fqn: str, like: torch.Tensor) -> None:
-        if fqn in experts and like.dim() > 0:
-            first, count = experts[fqn]
-            shape = like.shape[1:]
-            for i in range(count):
-                flat[f"{key}.{first + i}"] = torch.empty(shape, dtype=like.dtype, device=_device(like))
-        else:
+        ids = _expert_ids(experts, fqn, like)
+        if ids is None:
             flat[key] = torch.empty_like(like)
+            return
+        for expert in ids:
+            flat[f"{key}.{expert}"] = torch.empty(like.shape[1:], dtype=like.dtype, device=_device(like))
 
     for part in parts:
         for fqn, value in part.state_dict().items():
             want(f"model.{fqn}", fqn, value)
-    names = _param_names(parts)
-    local = _local_optimizer(optimizer)
-    for group in local.param_groups:
-        for p in group["params"]:
-            fqn = names[id(p)]
-            prefix = f"optim.state.{fqn}."
-            for state_key in _state_keys(saved_keys, prefix):
-                if state_key == "step":
-                    flat[prefix + state_key] = torch.zeros((), dtype=torch.float32)
-                else:
-                    want(prefix + state_key, fqn, p.data)
+    _, params = _optimizer_params(parts, optimizer)
+    for p, fqn in params:
+        prefix = f"optim.state.{fqn}."
+        for state_key in _state_keys(saved_keys, prefix):
+            if state_key == "step":
+                flat[prefix + state_key] = torch.zeros((), dtype=torch.float32)
+            else:
+                want(prefix + state_key, fqn, p.data)
     return flat
 
 
@@ -127,24 +136,21 @@ def apply(parts: list[nn.Module], optimizer, flat: dict[str, torch.Tensor]) -> N
     experts = expert_slices(parts)
 
     def take(key: str, fqn: str, like: torch.Tensor) -> torch.Tensor:
-        if fqn in experts and like.dim() > 0:
-            first, count = experts[fqn]
-            full = torch.stack([flat[f"{key}.{first + i}"] for i in range(count)])
-            if isinstance(like, DTensor):  # local chunking only: every rank in the group loaded the same
-                return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-            return full
-        return flat[key]
+        ids = _expert_ids(experts, fqn, like)
+        if ids is None:
+            return flat[key]
+        full = torch.stack([flat[f"{key}.{expert}"] for expert in ids])
+        if isinstance(like, DTensor):  # local chunking only: every rank in the group loaded the same
+            return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+        return full
 
     for part in parts:
         sd = {fqn: take(f"model.{fqn}", fqn, v) for fqn, v in part.state_dict().items()}
         part.load_state_dict(sd)
-    names = _param_names(parts)
-    local = _local_optimizer(optimizer)
-    for group in local.param_groups:
-        for p in group["params"]:
-            fqn = names[id(p)]
-            prefix = f"optim.state.{fqn}."
-            state_keys = _state_keys(flat, prefix)
-            if state_keys:
-                local.state[p] = {k: (flat[prefix + k] if k == "step" else take(prefix + k, fqn, p.data))
-                                  for k in state_keys}
+    local, params = _optimizer_params(parts, optimizer)
+    for p, fqn in params:
+        prefix = f"optim.state.{fqn}."
+        state_keys = _state_keys(flat, prefix)
+        if state_keys:
+            local.state[p] = {k: (flat[prefix + k] if k == "step" else take(prefix + k, fqn, p.data))
+                              for k in state_keys}
