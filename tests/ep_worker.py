@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import tempfile
 import time
 import traceback
 
@@ -24,31 +23,25 @@ import torch.distributed as dist
 
 def launch(world: int, cases: list[tuple[str, str, dict]], timeout_s: float = 20.0) -> list[dict[str, str]]:
     """Run `cases` ([(name, function name, kwargs)]) on `world` gloo processes; -> per-rank results."""
-    import torch.multiprocessing as mp
+    from tests.dist_harness import launch as harness_launch
 
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, cases, tmp, timeout_s), nprocs=world, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    return harness_launch(world, cases, _run_case, setup=_EpSetup(timeout_s))
 
 
-def _worker(rank: int, world: int, cases, tmp: str, timeout_s: float) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ.pop("LOCAL_WORLD_SIZE", None)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-    ctx = Ctx(rank, world, timeout_s)
-    results = {}
-    for name, fn, kwargs in cases:
-        try:
-            CASES[fn](ctx, **kwargs)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-            # The peers may now wait in a collective this rank skipped: stop rather than cascade.
-            break
-    torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
-    # Skip destroy_process_group: after a timeout case a peer may still hold an unmatched collective.
-    os._exit(0)
+class _EpSetup:
+    """Picklable setup: a rank's Ctx with the EP timeout (moeflow.ep reads LOCAL_WORLD_SIZE; unset it)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    def __call__(self, rank: int, world: int):
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        return Ctx(rank, world, self.timeout_s)
+
+
+def _run_case(ctx, case) -> None:
+    _, fn, kwargs = case
+    CASES[fn](ctx, **kwargs)
 
 
 class Ctx:

@@ -9,9 +9,6 @@ A rank writes {case name: "ok" | traceback} to a file the parent reads (see test
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -21,28 +18,14 @@ GLOBAL_BATCH, SEQ = 8, 8
 
 
 def launch(world: int, cases: list[tuple[str, str, dict]]) -> list[dict[str, str]]:
-    import torch.multiprocessing as mp
+    from tests.dist_harness import launch as harness_launch
 
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, cases, tmp), nprocs=world, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    return harness_launch(world, cases, _run_case, setup=Ctx)
 
 
-def _worker(rank: int, world: int, cases, tmp: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-    ctx = Ctx(rank, world)
-    results = {}
-    for name, fn, kwargs in cases:
-        try:
-            CASES[fn](ctx, **kwargs)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-            break  # the peers may wait in a collective this rank skipped: stop rather than cascade
-    torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
-    os._exit(0)
+def _run_case(ctx, case) -> None:
+    _, fn, kwargs = case
+    CASES[fn](ctx, **kwargs)
 
 
 class Ctx:

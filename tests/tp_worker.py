@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import tempfile
 import traceback
 
 import torch
@@ -25,29 +24,19 @@ REL_TOL = 1e-5  # relative norm error of every compared tensor; TP_VERBOSE=1 pri
 
 def launch(world: int, cases: list[tuple[str, str, dict]]) -> list[dict[str, str]]:
     """Run `cases` ([(name, function name, kwargs)]) on `world` gloo processes; -> per-rank results."""
-    import torch.multiprocessing as mp
+    from tests.dist_harness import launch as harness_launch
 
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, cases, tmp), nprocs=world, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    return harness_launch(world, cases, _run_case, setup=_quiet_redistribute)
 
 
-def _worker(rank: int, world: int, cases, tmp: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _quiet_redistribute(rank: int, world: int) -> None:
     # full_tensor() of FSDP's 2-D gradients warns that it takes two all-gathers; that is only the test's cost.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-    results = {}
-    for name, fn, kwargs in cases:
-        try:
-            CASES[fn](**kwargs)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-            break  # the peers may now wait in a collective this rank skipped
-    torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
-    os._exit(0)  # skip destroy_process_group: after a failure a peer may hold an unmatched collective
+
+
+def _run_case(_, case) -> None:
+    _, fn, kwargs = case
+    CASES[fn](**kwargs)
 
 
 def run_inline(cases) -> dict[str, str]:
