@@ -30,11 +30,16 @@ ASSUMPTIONS = [
 def load_model(spec: str) -> ModelConfig:
     """A preset name, a moeflow TOML ([model] and [model.moe] tables) or a Hugging Face config.json."""
     if spec.endswith(".json"):
-        from moeflow.plan.hf_config import load_hf_config
+        import json
+
+        from moeflow.models.hf_arch import config_from_hf  # the loader's exact mapping (no torch)
 
         if not os.path.exists(spec):
             raise ValueError(f"--model {spec!r}: no such file; pass an existing config.json or a preset name")
-        return load_hf_config(spec)
+        with open(spec) as f:
+            cfg = config_from_hf(json.load(f))
+        cfg.name = spec
+        return cfg
     if spec.endswith(".toml"):
         import tomllib
 
@@ -143,6 +148,8 @@ def write_png(out: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from moeflow.figures import save_figure
+
     rows = out["layouts"]
     labels = [f"tp{r['tp']} pp{r['pp']} ep{r['ep']} z{r['zero']}\nmb{r['micro_batch']} {r['activation_checkpointing']}"
               for r in rows]
@@ -162,10 +169,7 @@ def write_png(out: dict, path: str) -> None:
         ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=60)
     j = out["job"]
     fig.suptitle(f"moeflow plan: {j['model']} on {j['nodes']}x{j['gpus_per_node']} {j['gpu']}")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
