@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from moeflow.models.presets import PRESETS, get_preset
@@ -143,6 +142,8 @@ def write_png(out: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from moeflow.figures import save_figure
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for strat in dict.fromkeys(r["strategy"] for r in out["rows"]):
         rs = [r for r in out["rows"] if r["strategy"] == strat]
@@ -154,10 +155,7 @@ def write_png(out: dict, path: str) -> None:
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle(f"moeflow simulate ep: {out['model']}, {out['tokens_per_gpu']} tokens/GPU, {out['routing']}")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
