@@ -75,7 +75,8 @@ def cmd_train(argv: list[str]) -> int:
 
         from moeflow.train.dry_run import dry_run, format_dry_run
 
-        out = dry_run(cfg, args.world_size or args.nproc_per_node or 1)
+        world = args.world_size if args.world_size is not None else (args.nproc_per_node or 1)
+        out = dry_run(cfg, world)
         print(json.dumps(out, indent=1) if args.json else format_dry_run(out))
         return 0
     nproc = args.nproc_per_node
