@@ -40,41 +40,21 @@ LAYOUTS = {
 }
 
 
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
-
-
 def measure(cfg, info, steps: int, warmup: int) -> dict:
-    from moeflow.train.trainer import _forward_backward, _moe_layers, build, train_step
+    from moeflow.train.trainer import build, state_bytes, train_step
 
     s = build(cfg, info)
     times = []
     for i in range(warmup + steps):
         dist.barrier() if dist.is_initialized() else None
         t0 = time.perf_counter()
-        train_step(cfg, s, with_moe_stats=False)
+        out = train_step(cfg, s, with_moe_stats=False, measure=i == warmup + steps - 1)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    params = list(s.model.parameters())
-    local_opt = getattr(s.optimizer, "optim", s.optimizer)
-    optim_bytes = _local_bytes(v for st in local_opt.state.values() for v in st.values()
-                               if isinstance(v, torch.Tensor) and v.dim() > 0)
-    # gradients as they stand after one more forward/backward (FSDP keeps them sharded like the weights)
-    x, y = s.sampler.next_batch()
-    layers = _moe_layers(cfg)
-    _forward_backward(cfg, s, x, y, torch.zeros(len(layers), max(1, cfg.model.moe.num_experts)),
-                      torch.zeros(max(1, len(layers))), {layer: i for i, layer in enumerate(layers)})
-    grad_bytes = _local_bytes(p.grad for p in params if p.grad is not None)
-    sizes = torch.tensor([_local_bytes(params), grad_bytes, optim_bytes], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    held = state_bytes(s, out["grad_bytes"])  # the largest rank's, as the trainer's summary reports
     step_s = statistics.median(times)
     return {"step_s": step_s, "tokens_per_s": cfg.training.global_batch * cfg.data.seq_len / step_s,
-            "params_bytes": int(sizes[0]), "grads_bytes": int(sizes[1]), "optim_bytes": int(sizes[2])}
+            "params_bytes": held["params"], "grads_bytes": held["grads"], "optim_bytes": held["optimizer"]}
 
 
 def _worker(rank: int, world: int, cases: dict, steps: int, warmup: int, tmp: str) -> None:

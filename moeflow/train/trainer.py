@@ -237,9 +237,10 @@ def state_bytes(s: Setup, grad_bytes: int) -> dict[str, int]:
     return dict(zip(("params", "grads", "optimizer"), (int(x) for x in sizes.tolist())))
 
 
-def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True) -> dict:
+def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: bool = False) -> dict:
     """One optimizer step. Returns plain numbers (after one all-reduce of loss and expert load); the
-    per-layer expert statistics only when `with_moe_stats`, since they copy every layer to the host."""
+    per-layer expert statistics only when `with_moe_stats`, since they copy every layer to the host;
+    the gradient bytes this rank held only when `measure` (the last step, for the summary)."""
     model = s.model
     model.train()
     inputs, targets = s.sampler.next_batch()
@@ -271,7 +272,7 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True) -> dict:
     lr = s.scheduler.get_last_lr()[0]
     if finite:
         s.optimizer.step()
-    grad_bytes = _local_bytes(p.grad for p in model.parameters())  # sizes only: no copy, no sync
+    grad_bytes = _local_bytes(p.grad for p in model.parameters()) if measure else None  # sizes only, no sync
     s.optimizer.zero_grad(set_to_none=True)
     s.scheduler.step()
     out = {"loss": loss_value, "lr": lr, "grad_norm": gn, "skipped": not finite, "grad_bytes": grad_bytes}
@@ -376,7 +377,8 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
     t_window, steps_window = t_start, 0
     tokens_per_s = 0.0
     for step in range(start + 1, stop + 1):
-        out = train_step(cfg, s, with_moe_stats=step % cfg.metrics.log_every == 0 or step == stop)
+        out = train_step(cfg, s, with_moe_stats=step % cfg.metrics.log_every == 0 or step == stop,
+                         measure=step == stop)
         steps_window += 1
         first_loss = out["loss"] if first_loss is None else first_loss
         last_loss = out["loss"]
