@@ -125,9 +125,11 @@ def test_layouts_match_one_process(world, reference, tmp_path):
         params = _final_params(tmp_path / name, _cfg(tmp_path / name))
         for key, want in ref_params.items():
             # Relative in norm, per tensor: AdamW divides by sqrt(v) + 1e-8, so an element whose gradient is
-            # ~0 (an embedding row seen once) turns a 1e-7 summation-order difference into a visible one.
+            # ~0 (an embedding row seen once) turns a 1e-7 summation-order difference into a visible one:
+            # under tp=2 one element of 4096 in an expert's w2 moved 9e-6 (1.6e-5 of the tensor's norm) on
+            # this machine's stdlib corpus. A wrong slice or scale moves whole tensors by ~the update (1e-3).
             err = float((params[key] - want).norm() / want.norm().clamp(min=1e-12))
-            assert err < 1e-5, (name, key, err)
+            assert err < 5e-5, (name, key, err)
         if name in PLANNED:  # issue 6: predicted per-rank state within 5% of what training held
             held = json.loads((tmp_path / name / "summary.json").read_text())["state_bytes_per_rank"]
             planned = _planned_elements(_cfg(tmp_path / name), PLANNED[name])
