@@ -41,9 +41,10 @@ LAYOUTS = {
 
 
 def measure(cfg, info, steps: int, warmup: int) -> dict:
-    from moeflow.train.trainer import build, state_bytes, train_step
+    from moeflow.train.build import build
+    from moeflow.train.step import state_bytes, train_step
 
-    s = build(cfg, info)
+    s = build(cfg, info, *cfg.layout(info.world_size))
     times = []
     for i in range(warmup + steps):
         dist.barrier() if dist.is_initialized() else None

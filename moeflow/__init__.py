@@ -5,7 +5,7 @@ Importing `moeflow` is cheap (no torch); the heavy names load on first use.
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "parallelize", "ParallelDims"]
+__all__ = ["__version__", "parallelize", "ParallelDims", "ParallelState"]
 
 
 def __getattr__(name: str):
@@ -15,7 +15,11 @@ def __getattr__(name: str):
 
         return parallelize
     if name == "ParallelDims":
-        from moeflow.parallel.dims import ParallelDims
+        from moeflow.layout import ParallelDims
 
         return ParallelDims
+    if name == "ParallelState":
+        from moeflow.parallel.state import ParallelState
+
+        return ParallelState
     raise AttributeError(f"module 'moeflow' has no attribute {name!r}")

@@ -81,9 +81,7 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     nproc = args.nproc_per_node
     if nproc and nproc > 1 and "LOCAL_RANK" not in os.environ:
-        from moeflow.train.trainer import check_layout
-
-        check_layout(cfg, nproc)  # a bad layout is one line here, not an error in every rank
+        cfg.layout(nproc)  # a bad layout is one line here, not an error in every rank
         return _launch(nproc, argv)
     from moeflow.train.trainer import train
 

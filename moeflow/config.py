@@ -19,6 +19,7 @@ from functools import cache
 from pathlib import Path
 
 from moeflow.errors import check_choice, closest
+from moeflow.layout import BatchSplit, ParallelDims
 from moeflow.models.config import ModelConfig, MoEConfig
 from moeflow.models.presets import get_preset
 
@@ -166,9 +167,16 @@ class JobConfig:
         if not 0 < self.data.val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
         check_choice("data.token_dtype", self.data.token_dtype, ("uint16", "uint32"))
-        p = self.parallel
-        check_choice("parallel.zero", p.zero, (1, 2, 3))
         return self
+
+    def layout(self, world_size: int) -> tuple[ParallelDims, BatchSplit]:
+        """The run's parallel sizes and batch split on `world_size` ranks, every rule checked (the one place a
+        job's layout is validated; the launcher calls it before starting ranks, each rank once at start)."""
+        p, t = self.parallel, self.training
+        dims = ParallelDims(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
+                            zero=p.zero, pp_schedule=p.pp_schedule)
+        dims.check_model(self.model)
+        return dims, dims.split_batch(t.global_batch, t.micro_batch, p.pp_microbatches)
 
 
 # ---- field docs, keys, types ------------------------------------------------------------------

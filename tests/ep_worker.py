@@ -329,10 +329,10 @@ def case_timeout(ctx, backend="alltoall"):
 
 
 def case_moe(ctx, backend, G, shared=True, T=5, E=8, K=2, dim=16):
-    """ExpertParallelMoE vs the single-process MoE on all ranks' tokens: output and every gradient."""
-    from moeflow.ep.moe_layer import ExpertParallelMoE
+    """An MoE with expert parallelism vs the single-process MoE on all ranks' tokens: output and every gradient."""
     from moeflow.models.config import ModelConfig, MoEConfig
     from moeflow.models.moe import MoE
+    from moeflow.parallel.expert import apply_expert_parallel
 
     R, me = ctx.world, ctx.rank
     cfg = ModelConfig(dim=dim, moe=MoEConfig(num_experts=E, top_k=K, ffn_dim=12,
@@ -342,7 +342,8 @@ def case_moe(ctx, backend, G, shared=True, T=5, E=8, K=2, dim=16):
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
-    ep = ExpertParallelMoE(copy.deepcopy(moe), ctx.group, backend=backend, ranks_per_node=G)
+    ep = copy.deepcopy(moe)
+    assert apply_expert_parallel(ep, ctx.group, backend=backend, ranks_per_node=G) == 1
     g = torch.Generator().manual_seed(5)
     x_all = torch.randn(R * T, dim, generator=g)
     gy_all = torch.randn(R * T, dim, generator=g)

@@ -96,11 +96,12 @@ def case_train(ctx, kind: str, schedule: str, pp: int, dp: int = 1, n_microbatch
     aux_loss: turn on the MoE aux and z losses (the custom autograd function _AttachAuxLoss carries
     them); they are nonlinear in the tokens, so the reference then runs the same micro-batches one
     after the other (plain gradient accumulation) instead of the full batch at once.
-    ep: expert parallelism over the dp ranks inside the MoE blocks (moeflow.ep.ExpertParallelMoE), with
+    ep: expert parallelism over the dp ranks inside the MoE blocks (moeflow.parallel.expert), with
     the data-parallel gradient reduction done by hand instead of FSDP."""
     from moeflow.models.transformer import Transformer
     from moeflow.parallel.checkpointing import apply_activation_checkpointing
-    from moeflow.parallel.pipeline import build_schedule, build_stage_modules, stage_router_layers
+    from moeflow.parallel.pipeline import build_schedule, build_stage_modules
+    from moeflow.parallel.runner import router_layers
 
     assert pp * dp == ctx.world
     cfg = tiny_config(kind)
@@ -110,7 +111,7 @@ def case_train(ctx, kind: str, schedule: str, pp: int, dp: int = 1, n_microbatch
     reference.init_weights(seed=0)
     model = Transformer(cfg)
     model.init_weights(seed=0)
-    ref_routers = stage_router_layers([reference])
+    ref_routers = router_layers([reference])
     ref_opt = _adamw(reference)
     ref_chunks = dp * n_microbatches if aux_loss else 1
     for router in ref_routers.values():
@@ -125,14 +126,10 @@ def case_train(ctx, kind: str, schedule: str, pp: int, dp: int = 1, n_microbatch
         for stage in stages:
             apply_activation_checkpointing(stage.layers, "full")
     if ep:
-        from moeflow.ep.moe_layer import ExpertParallelMoE
-        from moeflow.models.moe import MoE
+        from moeflow.parallel.expert import apply_expert_parallel
 
         for stage in stages:
-            for block in stage.layers.values():
-                if isinstance(block.feed_forward, MoE):
-                    block.feed_forward = ExpertParallelMoE(block.feed_forward, mesh["dp"].get_group(),
-                                                           backend="alltoall", ranks_per_node=dp)
+            apply_expert_parallel(stage, mesh["dp"].get_group(), backend="alltoall", ranks_per_node=dp)
     elif dp > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -143,7 +140,7 @@ def case_train(ctx, kind: str, schedule: str, pp: int, dp: int = 1, n_microbatch
     runner = build_schedule(stages, pp_rank, pp, mesh["pp"].get_group(), torch.device("cpu"), schedule,
                             n_microbatches)
     optimizer = _adamw(model)
-    local_routers = stage_router_layers(stages)
+    local_routers = router_layers(stages)
 
     rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
     batches = _batches(cfg, steps)

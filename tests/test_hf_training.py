@@ -13,8 +13,9 @@ import transformers  # noqa: E402
 
 from moeflow.cli import main as cli_main  # noqa: E402
 from moeflow.config import load_config  # noqa: E402
+from moeflow.train.build import build  # noqa: E402
 from moeflow.train.distributed import DistInfo  # noqa: E402
-from moeflow.train.trainer import build, train  # noqa: E402
+from moeflow.train.trainer import train  # noqa: E402
 
 V = 96
 
@@ -40,7 +41,7 @@ def _overrides(tmp_path) -> dict:
 
 
 def _transformers_first_loss(cfg, hf_model) -> float:
-    s = build(cfg, DistInfo(0, 1, 0, torch.device("cpu")))
+    s = build(cfg, DistInfo(0, 1, 0, torch.device("cpu")), *cfg.layout(1))
     x, y = s.sampler.next_batch()  # the trainer's first batch (a fresh sampler with the same seed)
     with torch.no_grad():
         return float(F.cross_entropy(hf_model(x).logits.flatten(0, 1), y.flatten()))

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from moeflow.config import load_config, parse_overrides
+from moeflow.train.build import build_model
 from moeflow.train.checkpoint import CheckpointManager
-from moeflow.train.trainer import build_model, train
+from moeflow.train.trainer import train
 from tests.layout_worker import launch
 
 BASE = [
@@ -66,7 +67,7 @@ RESHARD = [["--training.stop_at=2"], ["--parallel.tp=2", "--training.stop_at=4"]
 def _planned_elements(cfg, sizes) -> dict[str, float]:
     """The planner's per-GPU parameter / gradient / optimizer element counts for the fullest stage (its bytes
     are for bf16 weights and grads, 2 each, and 12 of fp32 AdamW state; moeflow trains here in fp32)."""
-    from moeflow.plan.hardware import get_gpu
+    from moeflow.hardware import get_gpu
     from moeflow.plan.layout import Job, Layout
     from moeflow.plan.memory import model_state_bytes, stage_layers, stage_params
 
@@ -91,7 +92,8 @@ def _losses(run_dir, key="loss") -> dict[int, float]:
 
 def _final_params(run_dir, cfg) -> dict[str, torch.Tensor]:
     """The run's newest checkpoint loaded into one process (the resharding loader)."""
-    model, optimizer = build_model(cfg, torch.device("cpu"))
+    par, optimizer, _ = build_model(cfg, torch.device("cpu"), *cfg.layout(1))
+    model = par.model
     manager = CheckpointManager(run_dir, keep=2, rank=0)
     manager.load(manager.complete_checkpoints()[0][1], model, optimizer)
     return {k: v.clone() for k, v in model.state_dict().items()}

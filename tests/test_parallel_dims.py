@@ -2,8 +2,8 @@
 
 import pytest
 
+from moeflow.layout import ParallelDims
 from moeflow.models.presets import get_preset
-from moeflow.parallel.dims import ParallelDims
 
 
 def test_dp_shard_minus_one_takes_the_rest():

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
+from moeflow.hardware import get_gpu
 from moeflow.models.config import ModelConfig, MoEConfig
 from moeflow.models.hf_arch import config_from_hf
 from moeflow.models.presets import PUBLISHED, get_preset
 from moeflow.plan.advice import advise
 from moeflow.plan.cli import load_model, plan
 from moeflow.plan.cli import main as plan_main
-from moeflow.plan.hardware import get_gpu
 from moeflow.plan.layout import Job, Layout
 from moeflow.plan.memory import layer_activation_bytes, memory_per_gpu
 from moeflow.plan.search import Constraints, evaluate, search

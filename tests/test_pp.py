@@ -10,17 +10,16 @@ import sys
 import pytest
 import torch
 
-from moeflow.models.transformer import Transformer
-from moeflow.parallel.pipeline import (
+from moeflow.layout.schedules import (
     SCHEDULES,
-    build_schedule,
-    build_stage_modules,
     pipeline_layout,
     resolve_schedule,
     split_layers,
-    stage_router_layers,
     validate_microbatches,
 )
+from moeflow.models.transformer import Transformer
+from moeflow.parallel.pipeline import build_schedule, build_stage_modules
+from moeflow.parallel.runner import router_layers
 
 sys.path.insert(0, os.path.dirname(__file__))
 import pp_worker  # noqa: E402
@@ -96,15 +95,6 @@ def test_schedule_names():
     assert "'PipeDream'" in str(err.value)
 
 
-def test_a_schedule_marked_unsupported_is_refused_with_its_reason(monkeypatch):
-    from moeflow.parallel import pipeline
-
-    monkeypatch.setitem(pipeline.UNSUPPORTED, "LoopedBFS", "its gradients are wrong")
-    with pytest.raises(ValueError, match="'LoopedBFS' does not work here: its gradients are wrong") as err:
-        resolve_schedule("loopedbfs")
-    assert "'LoopedBFS'" not in str(err.value).split("choose one of")[1]
-
-
 def test_microbatch_validation():
     validate_microbatches(8, 4, "1F1B", 2)
     with pytest.raises(ValueError, match=r"micro-batches \(3\) must divide the per-rank batch \(8\).*\[1, 2, 4, 8\]"):
@@ -142,7 +132,7 @@ def test_stage_modules_keep_full_model_names_and_share_parameters():
             assert name in full and param.shape == full[name].shape
             assert id(param) in model_params  # shared, not copied: one optimizer over model.parameters()
     assert set(dict(model.named_parameters())) == {n for s in stages for n, _ in s.named_parameters()}
-    assert list(stage_router_layers(stages)) == [1, 3]
+    assert list(router_layers(stages)) == [1, 3]
 
     single = _model()
     assert build_stage_modules(single, 0, 2, "GPipe") == [single]  # one stage per rank: the model itself

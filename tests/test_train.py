@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from moeflow.config import load_config, parse_overrides
-from moeflow.train.trainer import NonFiniteLossError, train
+from moeflow.train.step import NonFiniteLossError
+from moeflow.train.trainer import train
 from tests.conftest import run_cli
 
 

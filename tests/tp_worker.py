@@ -131,7 +131,7 @@ def assert_rel(name: str, got: torch.Tensor, want: torch.Tensor, rel: float = RE
     assert err <= rel, f"{name}: relative error {err:.3g} > {rel:g} (|want| = {want.norm():.3g})"
 
 
-def compare_training(ref, par, tokens_BS, targets_BS, dp_rank: int = 0, dp: int = 1, steps: int = 3) -> None:
+def compare_training(ref, par, tokens_BS, targets_BS, tp_mesh, dp_rank: int = 0, dp: int = 1, steps: int = 3) -> None:
     """The reference vs the parallel model on its dp share: logits, losses, gradients, grad norm, AdamW steps,
     parameters.
 
@@ -139,7 +139,8 @@ def compare_training(ref, par, tokens_BS, targets_BS, dp_rank: int = 0, dp: int 
     parallelism computes (the MoE aux loss is not linear in the tokens, so one forward on the whole batch would
     differ); its routers scale their aux-loss gradient by 1/dp as the trainer does for accumulation.
     """
-    from moeflow.parallel.tensor import grad_norm_sq_local, tp_loss
+    from moeflow.parallel.grads import grad_norm_sq_local
+    from moeflow.parallel.loss import tp_loss
 
     for router in getattr(ref, "moe_routers", lambda: [])():
         router[1].aux_loss_scale = 1.0 / dp
@@ -164,7 +165,7 @@ def compare_training(ref, par, tokens_BS, targets_BS, dp_rank: int = 0, dp: int 
         assert_rel(f"loss at step {step}", mean_loss, ref_loss)
         for name, p in ref_params.items():
             assert_rel(f"grad of {name} at step {step}", par_params[name].grad, p.grad)
-        sq = grad_norm_sq_local(par)
+        sq = grad_norm_sq_local(par, tp_mesh)
         dist.all_reduce(sq)
         want = torch.stack([p.grad.pow(2).sum() for p in ref_params.values()]).sum()
         assert_rel(f"grad norm^2 at step {step}", sq, want)
@@ -204,7 +205,7 @@ def case_moeflow(kind: str, dp: int = 1, checkpointing: str = "none", **override
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(par, mesh=mesh["dp"])
     tokens, targets = batch(ref.cfg.vocab_size)
-    compare_training(ref, par, tokens, targets, dp_rank=mesh["dp"].get_local_rank(), dp=dp)
+    compare_training(ref, par, tokens, targets, mesh["tp"], dp_rank=mesh["dp"].get_local_rank(), dp=dp)
 
 
 def case_moe_grads_equal_over_tp():
@@ -212,7 +213,8 @@ def case_moe_grads_equal_over_tp():
     including the router's aux/z-loss path; and the router sees the whole sequence on each rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moeflow.parallel.tensor import apply_tensor_parallel, tp_loss
+    from moeflow.parallel.loss import tp_loss
+    from moeflow.parallel.tensor import apply_tensor_parallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -246,7 +248,8 @@ def case_pipeline_stages():
     from torch.distributed.tensor import DTensor
 
     from moeflow.models.transformer import Transformer
-    from moeflow.parallel.tensor import apply_tensor_parallel, tp_loss
+    from moeflow.parallel.loss import tp_loss
+    from moeflow.parallel.tensor import apply_tensor_parallel
 
     tp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
@@ -271,23 +274,21 @@ def case_pipeline_stages():
 
 
 def case_tp_with_ep():
-    """ExpertParallelMoE (experts split over the ep ranks, tokens through moeflow.ep) inside tensor-parallel
+    """Expert parallelism (experts split over the ep ranks, tokens through moeflow.ep) inside tensor-parallel
     blocks: one step vs the reference on each ep rank's batch share, gradients reduced as data parallelism
     would (mean over ep ranks for replicated parameters; experts already sum every rank's tokens)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moeflow.ep.moe_layer import ExpertParallelMoE
-    from moeflow.models.moe import MoE
-    from moeflow.parallel.tensor import apply_tensor_parallel, tp_loss
+    from moeflow.parallel.expert import apply_expert_parallel
+    from moeflow.parallel.loss import tp_loss
+    from moeflow.parallel.tensor import apply_tensor_parallel
 
     ep = 2
     mesh = init_device_mesh("cpu", (ep, dist.get_world_size() // ep), mesh_dim_names=("ep", "tp"))
     ep_rank, ep_group = mesh["ep"].get_local_rank(), mesh["ep"].get_group()
     ref = moeflow_model("moe")
     par = copy.deepcopy(ref)
-    for block in par.layers.values():
-        if isinstance(block.feed_forward, MoE):
-            block.feed_forward = ExpertParallelMoE(block.feed_forward, ep_group, backend="alltoall")
+    apply_expert_parallel(par, ep_group, backend="alltoall")
     apply_tensor_parallel(par, mesh["tp"])
     for _, router in ref.moe_routers():
         router.aux_loss_scale = 1.0 / ep
@@ -321,7 +322,7 @@ def case_hf(arch: str):
     ref = hf_model(arch)
     par = apply_tensor_parallel(copy.deepcopy(ref), mesh)
     tokens, targets = batch(64)
-    compare_training(ref, par, tokens, targets)
+    compare_training(ref, par, tokens, targets, mesh)
 
 
 def case_hf_parallelize(arch: str, tp: int = 1, ep: int = 1, steps: int = 3):
@@ -329,12 +330,13 @@ def case_hf_parallelize(arch: str, tp: int = 1, ep: int = 1, steps: int = 3):
     the same model unparallelized: losses, global gradient norm and parameters after AdamW steps. With
     ep > 1 each rank holds E/ep experts, compared with the reference's slice."""
     import moeflow
-    from moeflow.parallel.parallelize import clip_grad_norm_
-    from moeflow.parallel.tensor import tp_loss
+    from moeflow.parallel.grads import clip_grad_norm_
+    from moeflow.parallel.loss import tp_loss
 
     ref = hf_model(arch)
-    par = moeflow.parallelize(copy.deepcopy(ref), tp=tp, ep=ep)
-    dp, dp_rank = par.parallel_dims.dp, dist.get_rank() // tp  # mesh order (..., ep, tp): tp is innermost
+    state = moeflow.parallelize(copy.deepcopy(ref), tp=tp, ep=ep)
+    par = state.model
+    dp, dp_rank = state.dims.dp, dist.get_rank() // tp  # mesh order (..., ep, tp): tp is innermost
     tokens, targets = batch(64, B=4)
     share = tokens.shape[0] // dp
     rows = [slice(r * share, (r + 1) * share) for r in range(dp)]
@@ -349,7 +351,7 @@ def case_hf_parallelize(arch: str, tp: int = 1, ep: int = 1, steps: int = 3):
         dist.all_reduce(mean_loss)
         assert_rel(f"loss at step {step}", mean_loss / dist.get_world_size(), ref_loss)
         want = torch.stack([p.grad.pow(2).sum() for p in ref.parameters()]).sum().sqrt()
-        assert_rel(f"grad norm at step {step}", clip_grad_norm_(par, float("inf")), want)
+        assert_rel(f"grad norm at step {step}", clip_grad_norm_(par, float("inf"), state), want)
         for opt in (opt_ref, opt_par):
             opt.step()
             opt.zero_grad()
@@ -370,7 +372,7 @@ def case_loss():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from moeflow.parallel.tensor import tp_loss
+    from moeflow.parallel.loss import tp_loss
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     g = torch.Generator().manual_seed(3)
@@ -405,15 +407,18 @@ def case_bad_inputs():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from moeflow.parallel.tensor import apply_tensor_parallel, check_tp, tp_plan
+    import moeflow
+    from moeflow.layout import ParallelDims
+    from moeflow.parallel.tensor import apply_tensor_parallel, check_hf_tp, tp_plan
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    # tp = 2 does not divide 3 kv heads
-    _expect(lambda: apply_tensor_parallel(moeflow_model("dense", n_heads=6, n_kv_heads=3, head_dim=8), mesh),
+    # tp = 2 does not divide 3 kv heads: parallelize refuses before touching the model
+    _expect(lambda: moeflow.parallelize(moeflow_model("dense", n_heads=6, n_kv_heads=3, head_dim=8), tp=2),
             "parallel.tp (2) must divide model.n_kv_heads (3)", "[1, 3]")
-    _expect(lambda: check_tp(moeflow_model("dense").cfg, 8), "parallel.tp (8) must divide model.n_heads (4)")
-    _expect(lambda: check_tp(hf_model("llama").config, 3), "num_attention_heads (4) in the Hugging Face config")
+    _expect(lambda: ParallelDims(8, tp=8).check_model(moeflow_model("dense").cfg),
+            "parallel.tp (8) must divide model.n_heads (4)")
+    _expect(lambda: check_hf_tp(hf_model("llama"), 3), "num_attention_heads (4) in the Hugging Face config")
     # a Linear no pattern covers
     model = moeflow_model("dense")
     model.layers["1"].attention.gate = nn.Linear(32, 4)
@@ -445,14 +450,15 @@ def case_tp1_noop():
     for mesh in meshes:
         assert apply_tensor_parallel(model, mesh) is model
         assert {n: p for n, p in model.named_parameters()} == before
-        assert not model._forward_pre_hooks and not hasattr(model, "tp_mesh")
+        assert not model._forward_pre_hooks
 
 
 def case_plain_loss_and_norm():
     """Without tensor parallelism tp_loss is F.cross_entropy and grad_norm_sq_local the plain sum of squares."""
     import torch.nn.functional as F
 
-    from moeflow.parallel.tensor import grad_norm_sq_local, tp_loss
+    from moeflow.parallel.grads import grad_norm_sq_local
+    from moeflow.parallel.loss import tp_loss
 
     model = moeflow_model("moe")
     tokens, targets = batch(64)

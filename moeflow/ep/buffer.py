@@ -235,7 +235,7 @@ class Buffer:
         pass
 
     # ---- layout -----------------------------------------------------------------------------------
-    def _check_num_experts(self, num_experts: int) -> None:
+    def check_num_experts(self, num_experts: int) -> None:
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % self.group_size:
             R = self.group_size
             raise ValueError(
@@ -251,7 +251,7 @@ class Buffer:
         if self._external is not None:
             return self._external.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
                                                       allocate_on_comm_stream)
-        self._check_num_experts(num_experts)
+        self.check_num_experts(num_experts)
         L_.check_topk_idx(topk_idx, num_experts)
         lay = L_.get_dispatch_layout(topk_idx, num_experts, self.group_size, self.ranks_per_node)
         return (*lay, EventOverlap())
@@ -299,7 +299,7 @@ class Buffer:
                     "dispatch with topk_idx needs num_tokens_per_expert (from get_dispatch_layout) or "
                     "num_experts=...; pass one of them"
                 )
-            self._check_num_experts(num_experts)
+            self.check_num_experts(num_experts)
             L_.check_topk_idx(topk_idx, num_experts)
             if topk_idx.shape[0] != T:
                 raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {T}; they must match")
@@ -477,7 +477,7 @@ class Buffer:
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
         from moeflow.ep.low_latency import ll_dispatch
 
-        self._check_num_experts(num_experts)
+        self.check_num_experts(num_experts)
         recv_x, recv_count, handle = ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank,
                                                  num_experts, use_fp8)
         if cumulative_local_expert_recv_stats is not None:

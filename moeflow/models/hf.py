@@ -359,20 +359,3 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
 def kept_fields(hf: dict) -> dict:
     """The entries of an original config.json worth carrying into an exported one (see KEPT_HF_FIELDS)."""
     return {k: hf[k] for k in KEPT_HF_FIELDS if k in hf}
-
-
-# ---- live transformers models (moeflow.models.hf_live, which imports this module) -----------------------------
-
-
-def moe_from_hf_block(hf_sparse_block, hf_config):
-    """moeflow's MoE computing what a transformers sparse MoE block computes, with its weights."""
-    from moeflow.models.hf_live import moe_from_hf_block as build
-
-    return build(hf_sparse_block, hf_config)
-
-
-def replace_sparse_moe_blocks(hf_model) -> int:
-    """Swap every sparse MoE block of a live transformers model for moeflow's MoE; returns how many."""
-    from moeflow.models.hf_live import replace_sparse_moe_blocks as replace
-
-    return replace(hf_model)

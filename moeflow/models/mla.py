@@ -12,13 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.models.config import ModelConfig
+from moeflow.models.layers import RMSNorm, apply_rope, yarn_mscale
 
 
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        from moeflow.models.transformer import RMSNorm, yarn_mscale
-
         self.n_heads = cfg.n_heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
@@ -43,8 +42,6 @@ class MultiHeadLatentAttention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.v_dim, cfg.dim, bias=False)
 
     def forward(self, x_BSD: torch.Tensor, cos_SDr: torch.Tensor, sin_SDr: torch.Tensor) -> torch.Tensor:
-        from moeflow.models.transformer import apply_rope
-
         B, S, _ = x_BSD.shape
         q = self.wq_b(self.q_norm(self.wq_a(x_BSD))) if hasattr(self, "wq_a") else self.wq(x_BSD)
         q_BHSd = q.view(B, S, -1, self.nope + self.rope).transpose(1, 2)

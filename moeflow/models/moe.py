@@ -3,7 +3,10 @@
 Shape suffixes: T tokens, K top-k, E experts, D model width, F expert width, N routed rows (valid
 (token, expert) pairs sorted by expert), G expert groups.
 
-No torch.distributed here: expert parallelism wraps this module from outside (moeflow.ep.moe_layer).
+MoE.forward is route -> dispatch -> experts -> combine. The dispatcher is an object: `LocalDispatcher` here
+(every expert in this process: dispatch sorts the token copies by expert), and expert parallelism swaps in
+one that moves tokens between ranks (moeflow.parallel.expert) together with this rank's slice of the experts.
+No torch.distributed here.
 """
 
 from __future__ import annotations
@@ -173,6 +176,48 @@ def permute_by_expert(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torc
     return order[:n_valid], counts_E
 
 
+@dataclass
+class Dispatched:
+    """Rows for this process's experts, sorted by expert, and what combine needs to put them back."""
+
+    x_ND: torch.Tensor  # one row per (token, local expert) pair, sorted by expert
+    counts_E: torch.Tensor  # rows per local expert
+    row_N: torch.Tensor  # the source row (token, or received row under EP) of each expert row
+    weight_N: torch.Tensor  # its routing weight (float32)
+    num_rows: int  # rows of the tensor the expert rows are summed back into
+    handle: object = None  # the token mover's own state (an EP handle), if any
+
+
+def sort_by_expert(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                   num_experts: int) -> Dispatched:
+    """Gather one row per valid (row, expert) pair, grouped by expert (-1 pairs are skipped)."""
+    order_N, counts_E = permute_by_expert(topk_idx_TK, num_experts)
+    row_N = order_N // topk_idx_TK.shape[1]
+    # index_select, not x_TD[row_N]: its backward is an index_add, where advanced indexing's is an
+    # accumulating index_put, ~10x slower on the CPU (~1.7 ms of a 40 ms step in bench/moe_layer.py).
+    weight_N = topk_weights_TK.reshape(-1).index_select(0, order_N)
+    return Dispatched(x_TD.index_select(0, row_N), counts_E, row_N, weight_N, x_TD.shape[0])
+
+
+def weighted_sum_back(y_ND: torch.Tensor, d: Dispatched, like_TD: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum over t's expert rows of weight * y, shaped and typed like `like_TD`."""
+    y_ND = y_ND * d.weight_N.unsqueeze(-1).to(y_ND.dtype)
+    return like_TD.new_zeros(d.num_rows, like_TD.shape[-1]).index_add_(0, d.row_N, y_ND.to(like_TD.dtype))
+
+
+class LocalDispatcher:
+    """Every expert lives in this process: dispatch sorts the token copies by expert, combine sums them back."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> Dispatched:
+        return sort_by_expert(x_TD, topk_idx_TK, topk_weights_TK, self.num_experts)
+
+    def combine(self, y_ND: torch.Tensor, d: Dispatched, x_TD: torch.Tensor) -> torch.Tensor:
+        return weighted_sum_back(y_ND, d, x_TD)
+
+
 def _swiglu(h1, h3):
     return F.silu(h1) * h3
 
@@ -182,9 +227,11 @@ class GroupedExperts(nn.Module):
 
     IMPLS = ("grouped_mm", "bmm", "loop")
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, impl: str = "auto"):
+    def __init__(self, num_experts: int, dim: int, hidden: int, impl: str = "auto", expert_offset: int = 0):
         super().__init__()
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        # Global id of expert 0 here: nonzero when expert parallelism keeps a slice (checkpoints use global ids).
+        self.expert_offset = expert_offset
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # gate, [E, D, F]
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # up,   [E, D, F]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # down, [E, F, D]
@@ -202,9 +249,7 @@ class GroupedExperts(nn.Module):
             return "bmm"
         return impl
 
-    def forward(self, x_ND, counts_E: torch.Tensor | None = None) -> torch.Tensor:
-        if counts_E is None:  # one object holding both (moeflow.ep.moe_layer hides them from FSDP that way)
-            x_ND, counts_E = x_ND.x_ND, x_ND.counts_E
+    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         return expert_matmuls(x_ND, counts_E, self.w1, self.w3, self.w2, self.resolve_impl(x_ND))
 
 
@@ -257,17 +302,14 @@ class MoE(nn.Module):
         self.router = Router(cfg.dim, m)
         self.experts = GroupedExperts(m.num_experts, cfg.dim, m.ffn_dim, impl=m.expert_impl)
         self.shared_experts = FeedForward(cfg.dim, m.shared_width) if m.num_shared_experts else None
+        self.dispatcher = LocalDispatcher(m.num_experts)  # expert parallelism swaps in a token mover
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
         routed = self.router(x_TD)
-        order_N, counts_E = permute_by_expert(routed.topk_idx, self.num_experts)
-        token_N = order_N // self.top_k
-        # index_select, not x_TD[token_N]: its backward is an index_add, where advanced indexing's is an
-        # accumulating index_put, ~10x slower on the CPU (~1.7 ms of a 40 ms step in bench/moe_layer.py).
-        y_ND = self.experts(x_TD.index_select(0, token_N), counts_E)
-        y_ND = y_ND * routed.topk_weights.reshape(-1).index_select(0, order_N).unsqueeze(-1).to(y_ND.dtype)
-        out_TD = torch.zeros_like(x_TD).index_add_(0, token_N, y_ND.to(x_TD.dtype))
+        tokens = self.dispatcher.dispatch(x_TD, routed.topk_idx, routed.topk_weights)
+        y_ND = self.experts(tokens.x_ND, tokens.counts_E)
+        out_TD = self.dispatcher.combine(y_ND, tokens, x_TD)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
         return out_TD.view_as(x)

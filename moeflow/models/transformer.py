@@ -13,82 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.models.config import ModelConfig, RopeScaling
+from moeflow.models.config import ModelConfig
+from moeflow.models.layers import RMSNorm, apply_rope, rope_tables
+from moeflow.models.mla import MultiHeadLatentAttention
 from moeflow.models.moe import FeedForward, GroupedExperts, MoE, Router
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (as Llama's reference does) and cast back before the weight.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [S, Dh] for the rotate-half convention (the layout Hugging Face checkpoints use)."""
-    inv_freq, magnitude = rope_frequencies(head_dim, theta, scaling, max_seq_len)
-    angles_SDh2 = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    angles_SDh = torch.cat([angles_SDh2, angles_SDh2], dim=-1)
-    return angles_SDh.cos() * magnitude, angles_SDh.sin() * magnitude
-
-
-def rope_frequencies(
-    head_dim: int, theta: float, scaling: RopeScaling | None, max_seq_len: int
-) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [Dh/2], cos/sin magnitude), with the long-context rescaling if any."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    if scaling is None or scaling.type == "none":
-        return inv_freq, 1.0
-    factor, original = scaling.factor, scaling.original_max_seq_len or max_seq_len
-    if scaling.type == "llama3":
-        # Llama 3.1 (reference code in meta-llama/llama-models): keep short wavelengths, slow long ones down
-        # by `factor`, and blend linearly in between.
-        lo, hi = scaling.low_freq_factor, scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        slowed = inv_freq / factor
-        blend = (original / wavelen - lo) / (hi - lo)
-        blended = (1 - blend) * slowed + blend * inv_freq
-        out = torch.where(wavelen > original / lo, slowed, inv_freq)
-        is_medium = (wavelen >= original / hi) & (wavelen <= original / lo)
-        return torch.where(is_medium, blended, out), 1.0
-    # YaRN (Peng et al. 2023, sec. 3.2 "NTK-by-parts"): frequencies that turn more than beta_fast times over
-    # the original context are kept, fewer than beta_slow are slowed by `factor`, a linear ramp in between.
-    def dim_of(rotations: float) -> float:
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low = max(math.floor(dim_of(scaling.beta_fast)), 0)
-    high = min(math.ceil(dim_of(scaling.beta_slow)), head_dim - 1)
-    span = high - low if high != low else 1e-3  # (the reference's guard against a zero-width ramp)
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
-    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
-    return inv_freq, yarn_magnitude(scaling)
-
-
-def yarn_mscale(factor: float, coefficient: float = 1.0) -> float:
-    """YaRN's magnitude correction 0.1 * c * ln(factor) + 1 (1 when not extending)."""
-    return 1.0 if factor <= 1 else 0.1 * coefficient * math.log(factor) + 1.0
-
-
-def yarn_magnitude(scaling: RopeScaling) -> float:
-    if scaling.attention_factor:
-        return scaling.attention_factor
-    if scaling.mscale and scaling.mscale_all_dim:
-        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
-    return yarn_mscale(scaling.factor)
-
-
-def apply_rope(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
-    half = x_BHSDh.shape[-1] // 2
-    rotated = torch.cat([-x_BHSDh[..., half:], x_BHSDh[..., :half]], dim=-1)
-    return (x_BHSDh * cos_SDh + rotated * sin_SDh).to(x_BHSDh.dtype)
 
 
 class Attention(nn.Module):
@@ -142,8 +70,6 @@ class TransformerBlock(nn.Module):
 
 def build_attention(cfg: ModelConfig) -> nn.Module:
     if cfg.attention == "mla":
-        from moeflow.models.mla import MultiHeadLatentAttention
-
         return MultiHeadLatentAttention(cfg)
     return Attention(cfg)
 

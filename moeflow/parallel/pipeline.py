@@ -1,26 +1,11 @@
 """Pipeline parallelism: split a moeflow Transformer into stages, run them with torch.distributed.pipelining.
 
-Stage layout
-------------
-The blocks are split into `num_stages` contiguous runs of layers (`split_layers`). A split is data: per
-stage, the global indices of its blocks, i.e. the names `layers.<i>` (DESIGN.md, principle 2), which
-`pipeline_layout` turns into one `StageSpec` per stage (its index, its pp rank, its layers). Stage 0
-also keeps `tok_embeddings`; the last stage keeps `norm` and `output`; every stage is a `Transformer`
-whose other parts are None and whose `layers` ModuleDict keeps only its own blocks, still keyed by
-the global layer index. Parameter names (FQNs) are therefore the full model's, so checkpoints saved
-under any pipeline layout line up with the single-device model's.
-
-How stages map to pp ranks depends on the schedule (pp = 2, 8 layers shown):
-
-  single (GPipe, 1F1B)          1 stage per rank; rank r holds stage r
-      rank 0: stage 0 = embed + layers 0-3          rank 1: stage 1 = layers 4-7 + norm + output
-  looped (Interleaved1F1B,      `stages_per_rank` stages (default 2); rank r holds r, r + pp, r + 2pp, ...
-          LoopedBFS,              rank 0: stage 0 = embed + layers 0-1, stage 2 = layers 4-5
-          InterleavedZeroBubble)  rank 1: stage 1 = layers 2-3, stage 3 = layers 6-7 + norm + output
-  V      (ZBVZeroBubble,        exactly 2 stages per rank; rank r holds r and 2pp - 1 - r, so rank 0
-          DualPipeV)              holds the first and the last stage (torch 2.13 requires this "V" order)
-      rank 0: stage 0 = embed + layers 0-1, stage 3 = layers 6-7 + norm + output
-      rank 1: stage 1 = layers 2-3, stage 2 = layers 4-5
+The split is data (moeflow.layout.schedules: `split_layers`, `pipeline_layout`, and the table of schedules
+with where their stages sit). Here each rank keeps its stages as modules: stage 0 also keeps `tok_embeddings`,
+the last stage `norm` and `output`; every stage is a `Transformer` whose other parts are None and whose
+`layers` ModuleDict keeps only its own blocks, still keyed by the global layer index. Parameter names (FQNs)
+are therefore the full model's, so checkpoints saved under any pipeline layout line up with the
+single-device model's.
 
 Gradients: the last stage's loss is the mean cross-entropy of one micro-batch, and torch's schedules
 (scale_grads=True) divide the summed micro-batch gradients by n_microbatches, which equals the gradient
@@ -39,8 +24,8 @@ and activation recomputation (inside backward).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -57,173 +42,29 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from moeflow.models.moe import Router
+from moeflow.layout.schedules import (
+    SCHEDULES,
+    StageSpec,
+    check_schedule_microbatches,
+    pipeline_layout,
+    resolve_schedule,
+    stage_rank,
+)
 from moeflow.models.transformer import Transformer
+from moeflow.parallel.runner import router_layers
 
-
-@dataclass(frozen=True)
-class _ScheduleInfo:
-    cls: type
-    placement: str  # "single" | "loop" | "v"
-    splits_backward: bool = False  # zero-bubble: backward for inputs (I) and for weights (W) run apart
-    min_microbatches: str = ""  # "pp" | "stages": the least n_microbatches torch 2.13 accepts
-
-
-SCHEDULES: dict[str, _ScheduleInfo] = {
-    "GPipe": _ScheduleInfo(ScheduleGPipe, "single"),
-    "1F1B": _ScheduleInfo(Schedule1F1B, "single", min_microbatches="pp"),
-    "Interleaved1F1B": _ScheduleInfo(ScheduleInterleaved1F1B, "loop"),
-    "LoopedBFS": _ScheduleInfo(ScheduleLoopedBFS, "loop"),
-    "InterleavedZeroBubble": _ScheduleInfo(ScheduleInterleavedZeroBubble, "loop", splits_backward=True),
-    "ZBVZeroBubble": _ScheduleInfo(ScheduleZBVZeroBubble, "v", splits_backward=True),
-    "DualPipeV": _ScheduleInfo(ScheduleDualPipeV, "v", splits_backward=True, min_microbatches="stages"),
+# The torch class that runs each schedule of moeflow.layout.schedules.SCHEDULES (all seven of torch 2.13's
+# schedules match the single-device model on CPU/gloo, tests/test_pp.py, with two workarounds below: V-schedule
+# evaluation, and FSDP parameters kept unsharded under the zero-bubble schedules).
+SCHEDULE_CLASSES: dict[str, type] = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
 }
-
-# Schedules that do not give correct results with this model here, with the reason. Empty: all seven of
-# torch 2.13's schedules match the single-device model on CPU/gloo (tests/test_pp.py), with the two
-# workarounds below (V-schedule evaluation; FSDP parameters kept unsharded under zero-bubble schedules).
-UNSUPPORTED: dict[str, str] = {}
-
-
-def resolve_schedule(name: str) -> str:
-    """The canonical name of a schedule, matched case-insensitively; ValueError listing the valid ones."""
-    by_lower = {key.lower(): key for key in SCHEDULES}
-    canonical = by_lower.get(str(name).lower())
-    if canonical is None:
-        raise ValueError(
-            f"parallel.pp_schedule = {name!r} is not a pipeline schedule; choose one of {list(SCHEDULES)} "
-            f"(case-insensitive)"
-        )
-    if canonical in UNSUPPORTED:
-        supported = [key for key in SCHEDULES if key not in UNSUPPORTED]
-        raise ValueError(
-            f"parallel.pp_schedule = {canonical!r} does not work here: {UNSUPPORTED[canonical]}; "
-            f"choose one of {supported}"
-        )
-    return canonical
-
-
-def default_stages_per_rank(schedule_name: str) -> int:
-    return 1 if SCHEDULES[resolve_schedule(schedule_name)].placement == "single" else 2
-
-
-# ---- the split, as data ---------------------------------------------------------------------------------
-
-
-def _layer_index(item: int | str, n_layers: int) -> int:
-    """3, "3" or "layers.3" -> 3."""
-    text = str(item)
-    text = text[len("layers."):] if text.startswith("layers.") else text
-    if not text.isdigit() or int(text) >= n_layers:
-        raise ValueError(
-            f"parallel.pp_boundaries names layer {item!r}, which is not a layer of the model "
-            f"(layers 0..{n_layers - 1}, or 'layers.<i>')"
-        )
-    return int(text)
-
-
-def split_layers(
-    n_layers: int, num_stages: int, boundaries: Sequence[int] | Sequence[Sequence[int | str]] | None = None
-) -> list[list[int]]:
-    """The layer indices of each stage, in order; every layer exactly once, every stage at least one.
-
-    boundaries=None: an even split; when n_layers % num_stages = r > 0 the first r stages take one layer
-    more (the last stage already runs the output head and the loss, the largest matmul of a step, and
-    the first stage's embedding is a lookup; e.g. 10 layers / 4 stages -> 3, 3, 2, 2).
-    boundaries=[0, 3, 5, ...]: the first layer of each stage (num_stages entries, starting at 0).
-    boundaries=[[0, 1, 2], [3, 4], ...] (ints or 'layers.<i>' names): each stage's layers.
-    """
-    if num_stages < 1:
-        raise ValueError(f"the number of pipeline stages must be at least 1, got {num_stages}")
-    if num_stages > n_layers:
-        raise ValueError(
-            f"{num_stages} pipeline stages for model.n_layers = {n_layers}: each stage needs at least one layer; "
-            f"lower parallel.pp (or the stages per rank) to at most {n_layers} stages in all, or add layers"
-        )
-    if boundaries is None:
-        base, extra = divmod(n_layers, num_stages)
-        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
-        starts = [sum(sizes[:s]) for s in range(num_stages)]
-        return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
-
-    boundaries = list(boundaries)
-    if len(boundaries) != num_stages:
-        raise ValueError(
-            f"parallel.pp_boundaries has {len(boundaries)} entries but the pipeline has {num_stages} stages; "
-            f"give one entry per stage (its first layer, or its list of layers)"
-        )
-    if all(isinstance(b, (list, tuple)) for b in boundaries):
-        stages = [[_layer_index(item, n_layers) for item in stage] for stage in boundaries]
-        if any(not stage for stage in stages):
-            raise ValueError(f"parallel.pp_boundaries = {boundaries}: every stage needs at least one layer")
-        flat = [i for stage in stages for i in stage]
-        if flat != list(range(n_layers)):
-            raise ValueError(
-                f"parallel.pp_boundaries = {boundaries} must list layers 0..{n_layers - 1} in order, each once "
-                f"(stage k's output feeds stage k + 1); got {flat}"
-            )
-        return stages
-    if any(isinstance(b, (list, tuple)) for b in boundaries):
-        raise ValueError(
-            f"parallel.pp_boundaries = {boundaries} mixes layer lists and first-layer indices; use one form"
-        )
-    starts = [_layer_index(b, n_layers) for b in boundaries]
-    if starts[0] != 0 or any(a >= b for a, b in zip(starts, starts[1:])):
-        raise ValueError(
-            f"parallel.pp_boundaries = {boundaries} must be the first layer of each stage: start at 0 and "
-            f"strictly increase (each stage needs at least one layer), all below model.n_layers = {n_layers}"
-        )
-    ends = starts[1:] + [n_layers]
-    return [list(range(a, b)) for a, b in zip(starts, ends)]
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """One pipeline stage: its index, the pp rank that runs it, and what it holds."""
-
-    index: int
-    rank: int
-    layers: tuple[int, ...]
-    embed: bool  # holds tok_embeddings (the first stage)
-    head: bool  # holds norm + output (the last stage)
-
-    @property
-    def layer_names(self) -> list[str]:
-        return [f"layers.{i}" for i in self.layers]
-
-
-def stage_rank(stage_index: int, pp_size: int, num_stages: int, placement: str) -> int:
-    if placement == "v":  # 0, 1, ..., pp-1, pp-1, ..., 1, 0
-        return stage_index if stage_index < pp_size else num_stages - 1 - stage_index
-    return stage_index % pp_size
-
-
-def pipeline_layout(
-    n_layers: int,
-    pp_size: int,
-    schedule_name: str,
-    boundaries=None,
-    stages_per_rank: int | None = None,
-) -> list[StageSpec]:
-    """Every stage of the pipeline (all ranks), in stage order. Pure data: the planner can print it."""
-    name = resolve_schedule(schedule_name)
-    placement = SCHEDULES[name].placement
-    per_rank = default_stages_per_rank(name) if stages_per_rank is None else stages_per_rank
-    if pp_size < 1 or per_rank < 1:
-        raise ValueError(f"parallel.pp ({pp_size}) and the stages per rank ({per_rank}) must be at least 1")
-    if placement == "single" and per_rank != 1:
-        raise ValueError(
-            f"parallel.pp_schedule = {name!r} runs one stage per rank, got stages_per_rank = {per_rank}; "
-            f"use an interleaved schedule (e.g. 'Interleaved1F1B') for more"
-        )
-    if placement == "v" and per_rank != 2:
-        raise ValueError(f"parallel.pp_schedule = {name!r} needs exactly 2 stages per rank, got {per_rank}")
-    num_stages = pp_size * per_rank
-    stages = split_layers(n_layers, num_stages, boundaries)
-    return [
-        StageSpec(s, stage_rank(s, pp_size, num_stages, placement), tuple(layers), s == 0, s == num_stages - 1)
-        for s, layers in enumerate(stages)
-    ]
 
 
 # ---- stage modules --------------------------------------------------------------------------------------
@@ -244,7 +85,7 @@ def build_stage_modules(
     With one stage per rank the only stage module is `model`; with several, each is a Transformer
     that shares its blocks (and embedding / head) with `model`. Move the model to its device before
     splitting: the stage modules hold references to its RoPE tables.
-    At pp_size 1 this returns [model] untouched (DESIGN.md, principle 8).
+    At pp_size 1 this returns [model] untouched (docs/design.md: one process runs plain modules).
     """
     if pp_size == 1:
         return [model]
@@ -286,58 +127,9 @@ def _stage_view(model: Transformer, spec: StageSpec) -> Transformer:
     return stage
 
 
-def stage_router_layers(stage_modules: Sequence[nn.Module]) -> dict[int, Router]:
-    """{global layer index: Router} over this rank's stages (for packing router loads by layer)."""
-    routers = {}
-    for module in stage_modules:
-        for name, sub in module.named_modules():
-            if isinstance(sub, Router):
-                routers[int(name.split(".")[1])] = sub  # "layers.<i>.feed_forward.router"
-    return dict(sorted(routers.items()))
-
-
-# ---- schedule and runner --------------------------------------------------------------------------------
-
-
 def mean_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
     """The last stage's loss on one micro-batch (in fp32, like the trainer's)."""
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
-
-
-def validate_microbatches(batch: int, n_microbatches: int, schedule_name: str, pp_size: int,
-                          stages_per_rank: int | None = None) -> None:
-    """ValueError unless `n_microbatches` splits `batch` (rows per pp rank) into equal micro-batches that
-    the schedule accepts. Call it before training, where the per-rank batch is known."""
-    if n_microbatches < 1 or batch % n_microbatches:
-        raise ValueError(
-            f"pipeline micro-batches ({n_microbatches}) must divide the per-rank batch ({batch}) so that all "
-            f"micro-batches have equal size (the loss is their mean); choose one of "
-            f"{[d for d in range(1, batch + 1) if batch % d == 0]}"
-        )
-    _check_schedule_microbatches(n_microbatches, schedule_name, pp_size, stages_per_rank)
-
-
-def _check_schedule_microbatches(n_microbatches: int, schedule_name: str, pp_size: int,
-                                 stages_per_rank: int | None) -> None:
-    """torch 2.13's own limits on n_microbatches, checked up front with a message that says what to change."""
-    name = resolve_schedule(schedule_name)
-    info = SCHEDULES[name]
-    num_stages = pp_size * (default_stages_per_rank(name) if stages_per_rank is None else stages_per_rank)
-    if n_microbatches < 1:
-        raise ValueError(f"pipeline micro-batches must be at least 1, got {n_microbatches}")
-    need = {"pp": pp_size, "stages": num_stages}.get(info.min_microbatches, 1)
-    if n_microbatches < need:
-        raise ValueError(
-            f"parallel.pp_schedule = {name!r} with {num_stages} stages needs at least {need} micro-batches, "
-            f"got {n_microbatches}; use more micro-batches (a smaller micro-batch) or another schedule"
-        )
-    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        rounds = max(1, n_microbatches // pp_size)
-        if n_microbatches % rounds:
-            raise ValueError(
-                f"parallel.pp_schedule = {name!r} needs the micro-batches ({n_microbatches}) to be a multiple of "
-                f"their rounds (max(1, micro-batches // pp) = {rounds}); use a multiple of parallel.pp ({pp_size})"
-            )
 
 
 class _RouterLoadStage(PipelineStage):
@@ -345,7 +137,7 @@ class _RouterLoadStage(PipelineStage):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.routers = stage_router_layers([self.submod])
+        self.routers = router_layers([self.submod])
         self.count_router_loads = False
         self.router_loads: dict[int, torch.Tensor] = {}
         self.router_dropped: dict[int, torch.Tensor] = {}
@@ -382,8 +174,11 @@ class PipelineRunner:
         self.n_microbatches, self.pp_group, self.last_stage_rank = n_microbatches, pp_group, last_stage_rank
         self.has_first_stage = any(s.is_first for s in stages)
         self.has_last_stage = any(s.is_last for s in stages)
+        self.autocast = contextlib.nullcontext  # the trainer's bf16 autocast covers the whole schedule step
         for stage in stages:
             stage.reset_router_loads()
+            for router in stage.routers.values():
+                router.aux_loss_scale = 1.0  # the schedule divides every gradient by n_microbatches itself
 
     def _check_batch(self, inputs: torch.Tensor | None) -> None:
         if inputs is not None and inputs.shape[0] % self.n_microbatches:
@@ -424,6 +219,18 @@ class PipelineRunner:
         value = loss.detach().reshape(()).float().clone() if loss is not None else torch.zeros((), device=device)
         dist.broadcast(value, group=self.pp_group, group_src=self.last_stage_rank)
         return value
+
+    # ---- the step-runner interface (moeflow.parallel.runner) --------------------------------------------
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`step`, then the last stage's mean loss on every rank of the pp group."""
+        with self.autocast():
+            loss = self.step(inputs, targets)
+        return self.broadcast_loss(loss, inputs.device)
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            loss = self.forward_eval(inputs, targets)
+        return self.broadcast_loss(loss, inputs.device)
 
     def router_loads(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """{global layer index: (tokens per expert [E], dropped assignments)} of this rank's routers,
@@ -495,7 +302,7 @@ def build_schedule(
     name = resolve_schedule(schedule_name)
     info = SCHEDULES[name]
     per_rank = len(stage_modules)
-    _check_schedule_microbatches(n_microbatches, name, pp_size, per_rank)
+    check_schedule_microbatches(n_microbatches, name, pp_size, per_rank)
     if info.splits_backward:
         _keep_fsdp_unsharded_in_step(stage_modules)
     num_stages = pp_size * per_rank
@@ -505,9 +312,10 @@ def build_schedule(
                          **_static_shapes(module, index, num_stages, device, microbatch_shape))
         for module, index in zip(stage_modules, indices)
     ]
+    cls = SCHEDULE_CLASSES[name]
     if info.placement == "single":
-        schedule = info.cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     else:
-        schedule = info.cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     last_stage_rank = stage_rank(num_stages - 1, pp_size, num_stages, info.placement)
     return PipelineRunner(schedule, stages, name, n_microbatches, pp_group, last_stage_rank)

@@ -26,7 +26,7 @@ stage without the embedding takes, and one without the head returns, plain [B, S
 
 Query/key norms: per head (Qwen3) the [Dh] weight is replicated and its gradient summed over tp ranks
 (HeadShardedNorm); over all heads (OLMoE, 'full') the [H*Dh] weight is sharded like wq's columns and the mean
-of squares all-reduced (WidthShardedNorm). Multi-head latent attention is rejected (check_tp).
+of squares all-reduced (WidthShardedNorm). Multi-head latent attention has no plan yet.
 
 Hugging Face decoders (Llama, Qwen2/3, Mistral layouts: self_attn.q/k/v/o_proj, mlp.gate/up/down_proj, norms)
 get the same plan by their module names, sequence parallelism included: their decoder layers only add and pass
@@ -45,12 +45,10 @@ block and of the root on the data-parallel mesh, which makes 2-D (dp, tp) DTenso
 
 from __future__ import annotations
 
-import math
 from fnmatch import fnmatch
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -64,6 +62,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from moeflow.errors import divisors
+from moeflow.layout.dims import MLA_TP_UNSUPPORTED
 
 HOW_TO_PASS_A_PLAN = (
     "pass a plan: parallelize(model, tp=..., tp_plan={'<fqn pattern>': ColwiseParallel(), ...}) "
@@ -194,7 +193,7 @@ def _layer_patterns(prefix: str, layers: dict[str, nn.Module], kind_of) -> dict[
 
 
 def _is_moe(module: nn.Module) -> bool:
-    """A moeflow MoE, ExpertParallelMoE, or any wrapper of one (e.g. the block that replaces an HF sparse MoE)."""
+    """A moeflow MoE, or any wrapper of one (e.g. the block that replaces an HF sparse MoE)."""
     from moeflow.models.moe import Router
 
     return any(isinstance(m, Router) for m in module.modules())
@@ -202,7 +201,8 @@ def _is_moe(module: nn.Module) -> bool:
 
 def _moeflow_plan(model: nn.Module, loss_parallel: bool) -> dict[str, ParallelStyle]:
     cfg = model.cfg
-    _check_supported(cfg)
+    if cfg.attention == "mla":  # no plan for latent attention's low-rank projections yet
+        raise ValueError(MLA_TP_UNSUPPORTED)
     plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         plan["tok_embeddings"] = _embedding_style()
@@ -259,7 +259,8 @@ def _hf_decoder(model: nn.Module) -> tuple[str, nn.Module]:
 
 
 def _hf_plan(model: nn.Module, loss_parallel: bool) -> dict[str, ParallelStyle]:
-    _check_supported(model.config)
+    if getattr(model.config, "kv_lora_rank", None):  # no plan for latent attention's low-rank projections yet
+        raise ValueError(MLA_TP_UNSUPPORTED)
     prefix, decoder = _hf_decoder(model)
     at = f"{prefix}." if prefix else ""
     layers = {str(i): layer for i, layer in enumerate(decoder.layers)}
@@ -334,56 +335,22 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool = True) -> dict[str, Parall
 # ---- checks ------------------------------------------------------------------------------------------------
 
 
-def _config_of(model_or_cfg):
-    for attribute in ("cfg", "config"):  # a moeflow Transformer's config, a Hugging Face model's
-        if getattr(model_or_cfg, attribute, None) is not None:
-            model_or_cfg = getattr(model_or_cfg, attribute)
-            break
-    text_config = getattr(model_or_cfg, "text_config", None)  # multimodal HF configs keep the decoder's here
-    return text_config if text_config is not None else model_or_cfg
-
-
-def _check_supported(model_or_cfg) -> None:
-    """ValueError for what the built-in plans cannot shard yet, whatever tp is."""
-    cfg = _config_of(model_or_cfg)
-    if hasattr(cfg, "n_heads"):  # moeflow ModelConfig
-        latent_attention = cfg.attention == "mla"
-    else:  # Hugging Face: DeepSeek-V2/V3 configs carry the latent ranks
-        latent_attention = bool(getattr(cfg, "kv_lora_rank", None))
-    if latent_attention:
-        raise ValueError("multi-head latent attention (model.attention = 'mla', DeepSeek-V2/V3) is not supported "
-                         "with parallel.tp > 1 yet; use parallel.tp=1 with data and expert parallelism")
-
-
-def check_tp(model_or_cfg, tp: int) -> None:
-    """ValueError unless tp divides the sharded widths: heads, kv heads and the dense FFN width.
-
-    Takes a moeflow ModelConfig or Transformer, or a Hugging Face model or config. Also rejects what the plans
-    cannot shard yet (multi-head latent attention).
-    """
-    if tp < 1:
-        raise ValueError(f"parallel.tp must be at least 1, got {tp}")
-    if tp == 1:
-        return
-    _check_supported(model_or_cfg)
-    cfg = _config_of(model_or_cfg)
-    if hasattr(cfg, "n_heads"):  # moeflow ModelConfig
-        sizes = [("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.kv_heads)]
-        if cfg.n_layers > cfg.num_moe_layers:  # MoE layers are replicated over tp; only dense FFNs are sharded
-            sizes.append(("model.ffn_dim", cfg.ffn_dim))
-        where = ""
-    elif hasattr(cfg, "num_attention_heads"):  # Hugging Face PretrainedConfig
-        heads = cfg.num_attention_heads
-        sizes = [("num_attention_heads", heads),
-                 ("num_key_value_heads", getattr(cfg, "num_key_value_heads", None) or heads)]
-        if getattr(cfg, "intermediate_size", None):
-            sizes.append(("intermediate_size", cfg.intermediate_size))
-        where = " in the Hugging Face config"
-    else:
-        raise ValueError(f"check_tp: expected a moeflow or Hugging Face model or config, got {type(model_or_cfg)}")
+def check_hf_tp(model, tp: int) -> None:
+    """ValueError unless tp divides what the built-in plan shards of a Hugging Face model: heads, kv heads and
+    the dense MLP width; latent attention (DeepSeek-V2/V3) has no plan yet. (moeflow models are checked by
+    moeflow.layout.ParallelDims.check_model.)"""
+    cfg = getattr(model, "config", model)
+    cfg = getattr(cfg, "text_config", None) or cfg  # multimodal HF configs keep the decoder's here
+    if getattr(cfg, "kv_lora_rank", None):
+        raise ValueError(MLA_TP_UNSUPPORTED)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    sizes = [("num_attention_heads", heads), ("num_key_value_heads", kv_heads)]
+    if getattr(cfg, "intermediate_size", None):
+        sizes.append(("intermediate_size", cfg.intermediate_size))
     for name, value in sizes:
         if value % tp:
-            raise ValueError(f"parallel.tp ({tp}) must divide {name} ({value}){where}; "
+            raise ValueError(f"parallel.tp ({tp}) must divide {name} ({value}) in the Hugging Face config; "
                              f"choose tp in {divisors(value)}")
 
 
@@ -483,8 +450,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, ParallelSty
 
     A no-op when tp_mesh is None or has one rank. Checks that the plan names every Linear / Embedding and that
     every pattern matches something; copies what the tp ranks hold whole (norm weights, MoE parameters,
-    buffers) from tp rank 0; adds a check that the sequence length divides by tp; records `model.tp_mesh`
-    (read by grad_norm_sq_local). Apply it before FSDP (fully_shard on the data-parallel mesh) and after
+    buffers) from tp rank 0; adds a check that the sequence length divides by tp. The widths must divide by tp
+    (moeflow.layout.ParallelDims.check_model, or check_hf_tp for Hugging Face models). Apply it before FSDP
+    (fully_shard on the data-parallel mesh) and after
     wrapping MoE layers for expert parallelism (the plan hooks the MoE module itself).
     """
     if tp_mesh is None or tp_mesh.size() == 1:
@@ -494,131 +462,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, ParallelSty
     tp = tp_mesh.size()
     if plan is None:
         plan = tp_plan(model, loss_parallel=loss_parallel)
-    if hasattr(model, "cfg") or hasattr(model, "config"):
-        check_tp(model, tp)
     _check_plan_covers(model, plan)
     ties = _tied_parameters(model)
     parallelize_module(model, tp_mesh, plan)
     _retie(model, ties)
     _broadcast_replicated(model, tp_mesh)
     model.register_forward_pre_hook(_check_sequence_divisible(tp), with_kwargs=True, prepend=True)
-    model.tp_mesh = tp_mesh
     return model
-
-
-# ---- loss and gradient norm --------------------------------------------------------------------------------
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-row cross-entropy of logits whose vocab is split over a tp group (Megatron-LM's vocab-parallel CE).
-
-    The gradient softmax - onehot is local to each shard, so the backward needs no communication.
-    """
-
-    @staticmethod
-    def forward(ctx, logits_NVl, targets_N, vocab_start: int, group, ignore_index: int):
-        x_NVl = logits_NVl.float()
-        max_N = x_NVl.amax(-1)
-        dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=group)
-        exp_NVl = (x_NVl - max_N.unsqueeze(-1)).exp()
-        sumexp_N = exp_NVl.sum(-1)
-        dist.all_reduce(sumexp_N, group=group)
-        local_target_N = targets_N - vocab_start
-        here_N = (local_target_N >= 0) & (local_target_N < x_NVl.shape[-1])
-        safe_target_N = torch.where(here_N, local_target_N, 0)
-        target_logit_N = x_NVl.gather(-1, safe_target_N.unsqueeze(-1)).squeeze(-1) * here_N
-        dist.all_reduce(target_logit_N, group=group)
-        valid_N = targets_N != ignore_index
-        loss_N = (sumexp_N.log() + max_N - target_logit_N) * valid_N
-        ctx.save_for_backward(exp_NVl, sumexp_N, safe_target_N, here_N, valid_N)
-        ctx.logits_dtype = logits_NVl.dtype
-        return loss_N
-
-    @staticmethod
-    def backward(ctx, grad_N):
-        exp_NVl, sumexp_N, safe_target_N, here_N, valid_N = ctx.saved_tensors
-        grad_N = grad_N * valid_N
-        grad_NVl = exp_NVl / sumexp_N.unsqueeze(-1) * grad_N.unsqueeze(-1)
-        rows = torch.arange(grad_NVl.shape[0], device=grad_NVl.device)
-        grad_NVl[rows, safe_target_N] -= grad_N * here_N
-        return grad_NVl.to(ctx.logits_dtype), None, None, None, None
-
-
-def tp_loss(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
-            reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of logits [..., V] against targets [...]; a plain tensor, equal on every tp rank.
-
-    With plain logits this is F.cross_entropy (in fp32). With vocab-sharded DTensor logits (the head of a
-    tp_plan with loss_parallel) each rank keeps its [..., V/tp] shard; no context manager is needed around
-    backward, unlike torch's loss_parallel().
-    """
-    if not isinstance(logits, DTensor):
-        loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
-                               reduction=reduction)
-        return loss.view(targets.shape) if reduction == "none" else loss
-    placement = logits.placements[0]
-    if logits.device_mesh.ndim != 1 or not placement.is_shard(logits.ndim - 1):
-        raise ValueError(f"tp_loss expects logits sharded on the vocab dim over a 1-D tp mesh, got "
-                         f"{logits.placements} on a {logits.device_mesh.ndim}-D mesh")
-    mesh = logits.device_mesh
-    vocab = logits.shape[-1]
-    # DTensor shards like torch.chunk: ceil(V / tp) columns per rank, the last ones possibly fewer.
-    vocab_start = min(mesh.get_local_rank() * math.ceil(vocab / mesh.size()), vocab)
-    local_NVl = logits.to_local().flatten(0, -2)
-    loss_N = _VocabParallelCrossEntropy.apply(local_NVl, targets.flatten(), vocab_start, mesh.get_group(),
-                                              ignore_index)
-    if reduction == "none":
-        return loss_N.view(targets.shape)
-    if reduction == "sum":
-        return loss_N.sum()
-    if reduction == "mean":
-        return loss_N.sum() / (targets != ignore_index).sum()
-    raise ValueError(f"tp_loss: reduction = {reduction!r}; choose 'mean', 'sum' or 'none'")
-
-
-def _spans_tp(mesh, tp_ranks: list[int], cache: dict) -> bool:
-    """Whether one of the mesh's dims is the tp dim (the same ranks as tp_mesh), by ranks rather than by names."""
-    key = id(mesh)
-    if key not in cache:
-        cache[key] = any(dist.get_process_group_ranks(mesh.get_group(d)) == tp_ranks for d in range(mesh.ndim))
-    return cache[key]
-
-
-def grad_norm_sq_local(model: nn.Module) -> torch.Tensor:
-    """This rank's share of the squared gradient norm: summed over ALL ranks it is the exact ||g||^2.
-
-    A gradient element held by several ranks is counted on one of them: for a DTensor, only the ranks at
-    coordinate 0 of each mesh dim whose placement is Replicate count it (tp for SequenceParallel norms,
-    dp_replicate under HSDP); a parameter that tensor parallelism left unsharded (plain, or a DTensor on a mesh
-    without the tp dim, e.g. MoE parameters after FSDP) is replicated over tp and counted on tp rank 0 only.
-    Partial gradients (SequenceParallel norm weights when no FSDP reduces them) are all-reduced first and
-    replaced by the reduced ones, so every rank must call this, in the same order of parameters.
-    """
-    tp_mesh = getattr(model, "tp_mesh", None)
-    tp_ranks = dist.get_process_group_ranks(tp_mesh.get_group()) if tp_mesh is not None else []
-    tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None else 0
-    spans_tp_cache: dict = {}
-    device = next(model.parameters()).device
-    total = torch.zeros((), device=device, dtype=torch.float32)
-    for param in model.parameters():
-        grad = param.grad
-        if grad is None:
-            continue
-        if isinstance(grad, DTensor):
-            if any(p.is_partial() for p in grad.placements):
-                # Reduce once, in place: the optimizer would otherwise all-reduce it again in each of its ops.
-                grad = param.grad = grad.redistribute(
-                    placements=[Replicate() if p.is_partial() else p for p in grad.placements])
-            mesh = grad.device_mesh
-            counted_here = all(mesh.get_local_rank(d) == 0 for d, p in enumerate(grad.placements)
-                               if p.is_replicate())
-            replicated_over_tp = tp_mesh is not None and not _spans_tp(mesh, tp_ranks, spans_tp_cache)
-            local = grad.to_local()
-        else:
-            counted_here, local = True, grad
-            replicated_over_tp = tp_mesh is not None
-        if replicated_over_tp and tp_rank != 0:
-            counted_here = False
-        if counted_here:
-            total = total + local.float().pow(2).sum()
-    return total

@@ -12,7 +12,7 @@ import socket
 import tempfile
 import time
 
-from moeflow.plan.hardware import GPU
+from moeflow.hardware import GPU
 
 WIDTH = 512  # K = N of the measured matmuls; M (tokens) varies
 

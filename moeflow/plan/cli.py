@@ -10,10 +10,10 @@ import json
 import os
 import sys
 
+from moeflow.hardware import GPUS, get_gpu
 from moeflow.models.config import ModelConfig, MoEConfig
 from moeflow.models.presets import get_preset
 from moeflow.plan.advice import advise
-from moeflow.plan.hardware import GPUS, get_gpu
 from moeflow.plan.layout import Job
 from moeflow.plan.search import Constraints, search, shortfall_message
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
+from moeflow.hardware import GPU
 from moeflow.models.config import ModelConfig
-from moeflow.plan.hardware import GPU
 
 AC_MODES = ("none", "selective", "full")
 

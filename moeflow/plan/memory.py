@@ -19,8 +19,8 @@ With 1F1B pipelining stage i holds min(pp - i, m) micro-batches in flight (sec. 
 
 from __future__ import annotations
 
+from moeflow.hardware import RESERVED_GB
 from moeflow.models.config import ModelConfig
-from moeflow.plan.hardware import RESERVED_GB
 from moeflow.plan.layout import Job, Layout
 
 GB = 1e9

@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
+from moeflow.hardware import GPUS, get_gpu
 from moeflow.models.presets import PRESETS, get_preset
-from moeflow.plan.hardware import GPUS, get_gpu
 from moeflow.sim.ep import STRATEGY_DOC, Links, check_topology, ep_layer_time, row_bytes, sample_copies
 
 DEFAULT_STRATEGIES = ("pair", "rank", "node")

@@ -54,11 +54,6 @@ def verify(path: Path) -> str | None:
 FORMAT = 2  # flat, layout-independent keys (moeflow.train.state); 1 was nested with per-EP-rank expert keys
 
 
-def model_parts(model) -> list:
-    """The modules that hold this rank's parameters: the model, or its pipeline stages."""
-    return list(getattr(model, "parts", [model]))
-
-
 def load_state(path: Path, parts: list, optimizer, fix: str, model_only: bool = False) -> None:
     """Read a checkpoint's flat state (moeflow.train.state) into the model parts and the optimizer, each rank
     only what it owns under the current layout. A tensor the model needs but the checkpoint lacks is an error
@@ -110,7 +105,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        flat = state.gather(model_parts(model), optimizer)
+        flat = state.gather([model], optimizer)
         with warnings.catch_warnings():  # DCP warns that a 1-process save is a 1-process save
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(flat, checkpoint_id=str(tmp))
@@ -142,7 +137,7 @@ class CheckpointManager:
                 f"checkpoint {path} was written by an older moeflow (format {extra.get('format', 1)}, this one "
                 f"reads {FORMAT}); start a new --run-dir or pass --fresh"
             )
-        load_state(path, model_parts(model), optimizer,
+        load_state(path, [model], optimizer,
                    fix="was it saved from another model? Start a new --run-dir or pass --fresh")
         rng_file = path / f"rng-rank{self.rank}.pt"
         if rng_file.is_file():  # absent when resuming with more ranks than were saved

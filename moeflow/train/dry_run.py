@@ -39,15 +39,14 @@ def rank_state(cfg: JobConfig, world_size: int, rank: int) -> dict:
     """Build and parallelize the model as `rank` of `world_size` would; count what it holds."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from moeflow.train.trainer import build_model, check_layout
+    from moeflow.train.build import build_model
 
-    dims, _ = check_layout(cfg, world_size)  # the same checks as a real run, before any group exists
+    dims, batch = cfg.layout(world_size)  # the same checks as a real run, before any group exists
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        model, optimizer = build_model(cfg, torch.device("meta"), build_optimizer=True)
-        parts = list(getattr(model, "parts", [model]))
-        params = {id(p): p for part in parts for p in part.parameters()}.values()
-        expert = sum(_local_numel(p) for part in parts for n, p in part.named_parameters() if ".experts." in n)
+        par, optimizer, _ = build_model(cfg, torch.device("meta"), dims, batch)
+        params = list(par.model.parameters())
+        expert = sum(_local_numel(p) for n, p in par.model.named_parameters() if ".experts." in n)
         sharded = sum(_local_numel(p) for p in params)
         # ZeRO-2 (FSDP2 without resharding after forward) holds every layer's gathered weights from its
         # forward to its backward: at the peak, the whole (tp/ep-local) model.
@@ -58,7 +57,7 @@ def rank_state(cfg: JobConfig, world_size: int, rank: int) -> dict:
         return {"rank": rank, "params": held, "expert_params": expert, "optimizer_params": opt_params,
                 "bytes": {"params": held * BYTES["params"], "grads": grads * BYTES["grads"],
                           "optimizer": opt_params * BYTES["optimizer"]},
-                "dims": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")}}
+                "dims": dims.sizes}
     finally:
         dist.destroy_process_group()
 

@@ -9,19 +9,19 @@ from torch import nn
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
-                    params: list | None = None):
-    """AdamW; a ZeroRedundancyOptimizer around it when the model was parallelized with zero=1.
-    `params` overrides model.parameters() (pipeline stages hold their parameters in several modules)."""
+                    grad_group=None):
+    """AdamW; a ZeroRedundancyOptimizer around it over `grad_group` when the model was parallelized with
+    zero=1 (ParallelState.grad_group)."""
     decay, no_decay = [], []
-    for p in (model.parameters() if params is None else params):
+    for p in model.parameters():
         if p.requires_grad:
             # Norm weights and biases (1-D) are not decayed (Loshchilov & Hutter 2019 practice, as in GPT-2/3).
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if getattr(model, "grad_group", None) is not None:
+    if grad_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=model.grad_group, lr=lr,
+        return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=grad_group, lr=lr,
                                        betas=betas, eps=1e-8, foreach=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, foreach=True)
 

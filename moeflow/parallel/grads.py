@@ -1,0 +1,97 @@
+"""Gradients of a parallelized model: the global norm, clipping, and ZeRO-1's all-reduce.
+
+Gradients are DTensors on different meshes (experts on the expert mesh, the rest on the data mesh, 2-D with
+tp), which torch's clip_grad_norm_ cannot stack, so each rank sums the squares of the elements it is the one to
+count and the sums are added over all ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from moeflow.parallel.state import ParallelState
+
+
+def _spans_tp(mesh, tp_ranks: list[int], cache: dict) -> bool:
+    """Whether one of the mesh's dims is the tp dim (the same ranks as tp_mesh), by ranks rather than by names."""
+    key = id(mesh)
+    if key not in cache:
+        cache[key] = any(dist.get_process_group_ranks(mesh.get_group(d)) == tp_ranks for d in range(mesh.ndim))
+    return cache[key]
+
+
+def grad_norm_sq_local(model: nn.Module, tp_mesh=None) -> torch.Tensor:
+    """This rank's share of the squared gradient norm: summed over ALL ranks it is the exact ||g||^2.
+
+    A gradient element held by several ranks is counted on one of them: for a DTensor, only the ranks at
+    coordinate 0 of each mesh dim whose placement is Replicate count it (tp for SequenceParallel norms,
+    dp_replicate under HSDP); a parameter that tensor parallelism left unsharded (plain, or a DTensor on a mesh
+    without the tp dim, e.g. MoE parameters after FSDP) is replicated over tp and counted on tp rank 0 only.
+    Partial gradients (SequenceParallel norm weights when no FSDP reduces them) are all-reduced first and
+    replaced by the reduced ones, so every rank must call this, in the same order of parameters.
+    """
+    tp_ranks = dist.get_process_group_ranks(tp_mesh.get_group()) if tp_mesh is not None else []
+    tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None else 0
+    spans_tp_cache: dict = {}
+    device = next(model.parameters()).device
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    for param in model.parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            if any(p.is_partial() for p in grad.placements):
+                # Reduce once, in place: the optimizer would otherwise all-reduce it again in each of its ops.
+                grad = param.grad = grad.redistribute(
+                    placements=[Replicate() if p.is_partial() else p for p in grad.placements])
+            mesh = grad.device_mesh
+            counted_here = all(mesh.get_local_rank(d) == 0 for d, p in enumerate(grad.placements)
+                               if p.is_replicate())
+            replicated_over_tp = tp_mesh is not None and not _spans_tp(mesh, tp_ranks, spans_tp_cache)
+            local = grad.to_local()
+        else:
+            counted_here, local = True, grad
+            replicated_over_tp = tp_mesh is not None
+        if replicated_over_tp and tp_rank != 0:
+            counted_here = False
+        if counted_here:
+            total = total + local.float().pow(2).sum()
+    return total
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, state: ParallelState | None = None) -> torch.Tensor:
+    """Clip the global gradient norm of a model parallelized as `state` describes (None: not parallelized);
+    returns the norm before clipping. ZeRO-1 ranks all hold the whole averaged gradient."""
+    distributed = (state is not None and state.dims.world_size > 1 and state.grad_group is None
+                   and dist.is_initialized())
+    if distributed:
+        sq = grad_norm_sq_local(model, state.tp_mesh)  # may replace partial gradients by reduced ones: read after
+        dist.all_reduce(sq)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    if not distributed:
+        sq = torch.stack([g.float().pow(2).sum() for g in local]).sum() if local else torch.zeros(())
+    norm = sq.sqrt()
+    if max_norm < float("inf"):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(local, coef)
+    return norm
+
+
+def all_reduce_gradients(model: nn.Module, state: ParallelState) -> None:
+    """ZeRO-1: average the gradients over the data-parallel ranks, in one flat buffer (one collective instead of
+    one per tensor, as DDP's buckets do). A no-op for layouts whose wrappers (FSDP2) reduce themselves."""
+    group = state.grad_group
+    if group is None:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,120 @@
+"""Everything one rank trains with, built before the first step: data, model, parallelism, optimizer, schedule.
+
+The job's layout arrives validated (JobConfig.layout -> ParallelDims, BatchSplit) and goes to parallelize as
+is; nothing here re-checks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moeflow.config import JobConfig
+from moeflow.layout import BatchSplit, ParallelDims
+from moeflow.models.transformer import Transformer
+from moeflow.parallel.loss import tp_loss
+from moeflow.parallel.parallelize import parallelize
+from moeflow.parallel.state import ParallelState
+from moeflow.train.data import BatchSampler, load_tokens, split_tokens, val_batches
+from moeflow.train.distributed import DistInfo
+from moeflow.train.optim import build_optimizer, build_scheduler
+from moeflow.train.tokenizer import load_tokenizer
+
+
+@dataclass
+class Setup:
+    """What one rank trains with."""
+
+    info: DistInfo
+    model: torch.nn.Module
+    par: ParallelState
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    sampler: BatchSampler
+    val: list
+    batch: BatchSplit
+    layout: str  # one line for the summary
+    hf_bytes_read: int | None = None  # bytes of Hugging Face weights this rank read, when each read its shards
+
+
+def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch: BatchSplit,
+                with_optimizer: bool = True) -> tuple[ParallelState, torch.optim.Optimizer | None, int | None]:
+    """(parallel state, optimizer, Hugging Face bytes read by this rank): the model built identically on every
+    rank, then parallelized. On the meta device (dry runs) nothing is allocated or initialised."""
+    t = cfg.training
+    # Under any layout, Hugging Face weights go straight into each rank's shards (moeflow/train/hf_sharded.py).
+    owned_read = bool(cfg.model.hf_path) and device.type != "meta" and dims.world_size > 1
+    if device.type == "meta" or owned_read:
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+    elif cfg.model.hf_path:  # Hugging Face weights, read whole on every rank, then sharded
+        from moeflow.models.hf import load_for_training
+
+        model, _ = load_for_training(cfg.model)
+        model.to(device)
+    else:
+        model = Transformer(cfg.model)
+        model.init_weights(seed=t.seed)  # identical on every rank before sharding
+        model.to(device)
+    bf16 = t.dtype == "bf16"
+    par = parallelize(model, dims, microbatches=batch.microbatches,
+                      activation_checkpointing=t.activation_checkpointing, ep_backend=cfg.parallel.ep_backend,
+                      autocast_dtype=torch.bfloat16 if bf16 else None, loss_fn=tp_loss, compile=t.compile,
+                      pp_microbatch_shape=(batch.micro_batch, cfg.data.seq_len,
+                                           torch.bfloat16 if bf16 else torch.float32),
+                      device_type="cpu" if device.type == "meta" else device.type)
+    bytes_read = None
+    if owned_read:
+        from moeflow.train.hf_sharded import load_owned
+
+        model.to_empty(device=device)
+        bytes_read = load_owned(model, cfg.model)
+    optimizer = (build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2), grad_group=par.grad_group)
+                 if with_optimizer else None)
+    return par, optimizer, bytes_read
+
+
+def _tokens(cfg: JobConfig):
+    d = cfg.data
+    spec = d.tokenizer
+    if spec == "auto" and cfg.model.hf_path and (Path(cfg.model.hf_path) / "tokenizer.json").is_file():
+        spec = cfg.model.hf_path  # the checkpoint's own tokenizer
+    pretokenized = d.source.endswith(".bin")  # ids already; load_tokens checks them against the vocabulary
+    tokenizer = None if pretokenized else load_tokenizer(spec, None if d.source == "stdlib" else d.source)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
+            f"set --model.vocab_size={tokenizer.vocab_size} or more"
+        )
+    return load_tokens(d.source, tokenizer, token_dtype=d.token_dtype, vocab_size=cfg.model.vocab_size,
+                       max_bytes=d.max_bytes)
+
+
+def describe_layout(cfg: JobConfig, dims: ParallelDims, par: ParallelState) -> str:
+    if dims.world_size == 1:
+        return "1 process"
+    if dims.pp > 1:
+        return (f"{dims.describe()} ({dims.world_size} ranks, {dims.pp_schedule} with "
+                f"{par.runner.n_microbatches} micro-batches, FSDP2 ZeRO-{dims.zero})")
+    dp_kind = "ZeroRedundancyOptimizer" if dims.zero == 1 else "FSDP2"
+    return f"{dims.describe()} ({dims.world_size} ranks, {dp_kind} ZeRO-{dims.zero})"
+
+
+def build(cfg: JobConfig, info: DistInfo, dims: ParallelDims, batch: BatchSplit) -> Setup:
+    t, d = cfg.training, cfg.data
+    torch.manual_seed(t.seed)
+    train_tokens, val_tokens = split_tokens(_tokens(cfg), d.val_fraction, d.seq_len)
+    par, optimizer, bytes_read = build_model(cfg, info.device, dims, batch)
+    sampler = BatchSampler(train_tokens, d.seq_len, t.global_batch, par.dp_rank, dims.dp, t.seed)
+    val = val_batches(val_tokens, d.seq_len, t.global_batch, cfg.eval.batches)
+    if dims.pp > 1 and val and any(x.shape[0] != t.global_batch for x, _ in val):
+        # a pipeline evaluates in the training step's micro-batch shape (its receive buffers are sized for it)
+        val = [(x, y) for x, y in val if x.shape[0] == t.global_batch]
+        if not val and info.is_main:
+            print(f"note: the validation split has fewer than training.global_batch ({t.global_batch}) windows, "
+                  f"which a pipeline-parallel run cannot evaluate; raise data.val_fraction to get val_loss")
+    scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
+    return Setup(info, par.model, par, optimizer, scheduler, sampler, val, batch, describe_layout(cfg, dims, par),
+                 bytes_read)

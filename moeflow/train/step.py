@@ -1,0 +1,130 @@
+"""One optimizer step and one evaluation, through the step runner parallelize chose (pipeline or not)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from moeflow.config import JobConfig
+from moeflow.parallel.grads import all_reduce_gradients, clip_grad_norm_
+from moeflow.parallel.runner import router_layers
+from moeflow.train.build import Setup
+from moeflow.train.distributed import all_reduce_sum
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def moe_layers(cfg: JobConfig) -> list[int]:
+    """Global indices of the MoE layers: router statistics are packed by these on every rank, so the
+    one all-reduce has the same size whichever layers (pipeline stage) a rank holds."""
+    return [i for i in range(cfg.model.n_layers) if cfg.model.is_moe_layer(i)]
+
+
+def _local_bytes(tensors) -> int:
+    """Bytes this rank stores for `tensors` (the local shard of a DTensor)."""
+    locals_ = (t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None)
+    return sum(t.numel() * t.element_size() for t in locals_)
+
+
+def state_bytes(s: Setup, grad_bytes: int) -> dict[str, int]:
+    """The largest rank's bytes of parameters, gradients (as measured after the last backward) and
+    optimizer state (AdamW moments; ZeRO-1 keeps only its partition's)."""
+    local_opt = getattr(s.optimizer, "optim", s.optimizer)
+    sizes = torch.tensor([
+        _local_bytes(s.model.parameters()), grad_bytes,
+        _local_bytes(v for st in local_opt.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0),
+    ], dtype=torch.float64, device=s.info.device)
+    if dist.is_initialized():
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    return dict(zip(("params", "grads", "optimizer"), (int(x) for x in sizes.tolist())))
+
+
+def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: bool = False) -> dict:
+    """One optimizer step. Returns plain numbers (after one all-reduce of loss and expert load); the
+    per-layer expert statistics only when `with_moe_stats`, since they copy every layer to the host;
+    the gradient bytes this rank held only when `measure` (the last step, for the summary)."""
+    model, par = s.model, s.par
+    model.train()
+    inputs, targets = s.sampler.next_batch()
+    inputs, targets = inputs.to(s.info.device), targets.to(s.info.device)
+    layers = moe_layers(cfg)
+    row_of = {layer: i for i, layer in enumerate(layers)}
+    E = cfg.model.moe.num_experts
+    loads = torch.zeros(len(layers), E, device=s.info.device)
+    dropped = torch.zeros(max(1, len(layers)), device=s.info.device)
+    loss = par.runner.train_step(inputs, targets)
+    for layer, (load_E, drop) in par.runner.router_loads().items():
+        loads[row_of[layer]] += load_E
+        dropped[row_of[layer]] += drop
+    all_reduce_gradients(model, par)
+    clip = cfg.training.grad_clip if cfg.training.grad_clip > 0 else float("inf")
+    grad_norm = clip_grad_norm_(model, clip, par)
+    # One all-reduce for everything logged; its .tolist() is the step's one host sync, needed anyway
+    # for the non-finite check (every rank must take the same decision) and the progress bar.
+    packed = all_reduce_sum(torch.cat([loss.view(1), dropped, loads.flatten()]))
+    # Every tp rank routes all of its dp rank's tokens, and every rank holds the loss: divide the copies out.
+    tp = par.dims.tp
+    numbers = packed.tolist()
+    loss_value = numbers[0] / s.info.world_size
+    gn = float(grad_norm)
+    finite = math.isfinite(loss_value) and math.isfinite(gn)
+    step = s.scheduler.last_epoch + 1
+    if not finite and cfg.training.on_nonfinite == "stop":
+        raise NonFiniteLossError(
+            f"loss is {loss_value} (grad norm {gn}) at step {step}; lower training.lr, enable "
+            f"training.grad_clip, or set --training.on_nonfinite=skip to drop such steps"
+        )
+    lr = s.scheduler.get_last_lr()[0]
+    if finite:
+        s.optimizer.step()
+    grad_bytes = _local_bytes(p.grad for p in model.parameters()) if measure else None  # sizes only, no sync
+    s.optimizer.zero_grad(set_to_none=True)
+    s.scheduler.step()
+    out = {"loss": loss_value, "lr": lr, "grad_norm": gn, "skipped": not finite, "grad_bytes": grad_bytes}
+    if layers:
+        global_loads = packed[1 + len(dropped):].view(len(layers), E) / tp
+        routers = router_layers([model])
+        for layer, r in routers.items():
+            r.update_bias(global_loads[row_of[layer]])
+        if with_moe_stats:
+            out["moe"] = _moe_stats(cfg, routers, layers, global_loads,
+                                    [d / tp for d in numbers[1:1 + len(layers)]])
+    return out
+
+
+def _moe_stats(cfg: JobConfig, routers, layers, loads_LE, dropped) -> dict:
+    assignments = cfg.training.global_batch * cfg.data.seq_len * cfg.model.moe.top_k
+    stats = {}
+    for layer, load_E, drop in zip(layers, loads_LE, dropped):
+        stats[str(layer)] = {
+            "tokens_per_expert": [int(x) for x in load_E.tolist()],
+            "max_over_mean": float(load_E.max() / load_E.mean().clamp(min=1e-9)),
+            "dropped_fraction": drop / assignments,
+        }
+        if layer in routers:  # under pipeline parallelism rank 0 holds only its stage's routers
+            stats[str(layer)]["router_bias"] = [round(b, 5) for b in routers[layer].expert_bias.tolist()]
+    return stats
+
+
+@torch.no_grad()
+def evaluate(cfg: JobConfig, s: Setup) -> float | None:
+    """Mean validation loss; each data-parallel rank scores its rows of every batch (tp and pp ranks of
+    one replica see the same rows) and the sums are all-reduced (copies cancel in the ratio)."""
+    if not s.val:
+        return None
+    s.model.eval()
+    dp, dp_rank = s.par.dims.dp, s.par.dp_rank
+    total = torch.zeros(2, device=s.info.device)
+    for inputs, targets in s.val:
+        n = inputs.shape[0]
+        lo, hi = dp_rank * n // dp, (dp_rank + 1) * n // dp
+        x, y = inputs[lo:hi].to(s.info.device), targets[lo:hi].to(s.info.device)
+        loss_sum = s.par.runner.eval_loss(x, y) * y.numel()
+        total += torch.stack([loss_sum.float(), torch.tensor(float(y.numel()), device=s.info.device)])
+    total = all_reduce_sum(total)
+    return float(total[0] / total[1])
