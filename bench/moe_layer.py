@@ -19,7 +19,7 @@ grouped_mm, batched_mm), with outputs and input gradients compared in the same r
 Both models get identical weights (moeflow's are copied into HF's fused gate_up_proj layout), so the check
 at the start compares outputs and input gradients. Repeats of all cases are interleaved in a shuffled order
 so that noise from other processes on a shared machine falls on every case alike; the reported figure is
-the median, and the targets are ratios measured in the same run (DESIGN.md, principle 10).
+the median, and the targets are ratios measured in the same run (docs/design.md, principle 10).
 
     .venv/bin/python bench/moe_layer.py             # E=16, top-4, D=F=256, 1024 tokens, fp32, 2 threads
     .venv/bin/python bench/moe_layer.py --quick     # a few repeats

@@ -7,7 +7,7 @@ micro-batch 1/2/4/8 and activation checkpointing none/full (full = torch.utils.c
 block). What is predicted: moeflow.plan.time.step_time for the same layouts (dp=tp=pp=ep=1) on the
 'cpu-calibrated' device that moeflow.plan.calibrate measures first (matmul FLOP/s at two sizes, gloo
 all-reduce bandwidth between 2 processes). Reported: both throughputs and their Spearman rank
-correlation (issue 6 asks for >= 0.8 over >= 4 layouts).
+correlation (the target: >= 0.8 over >= 4 layouts).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/plan_vs_measured.py [--repeats 5]
 

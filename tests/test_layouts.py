@@ -1,4 +1,4 @@
-"""Every parallel layout trains the same steps as one process (DESIGN.md, principle 5).
+"""Every parallel layout trains the same steps as one process (docs/design.md, principle 5).
 
 Each layout runs 3 optimizer steps of the real trainer from the same initial weights and data; its
 losses must match the single-process run's (fp32, relative 1e-5) and its final checkpoint, loaded into
@@ -59,7 +59,7 @@ PLANNED = {
     "pp2-1f1b": (1, 1, 1, 2, 1, 3), "hsdp2x2": (2, 2, 1, 1, 1, 3), "ep4": (1, 4, 1, 1, 4, 3),
     "ep2-dp4": (1, 4, 1, 1, 2, 3), "pp2-dp2": (1, 2, 1, 2, 1, 3), "hsdp2x2-ep2": (2, 2, 1, 1, 2, 3),
 }
-# Resharded resume: steps 1-2 under dp=4, 3-4 under tp=2 x dp=2, 5-6 under ep=2 x pp=2 (the issue's chain).
+# Resharded resume: steps 1-2 under dp=4, 3-4 under tp=2 x dp=2, 5-6 under ep=2 x pp=2.
 RESHARD = [["--training.stop_at=2"], ["--parallel.tp=2", "--training.stop_at=4"],
            ["--parallel.ep=2", "--parallel.pp=2"]]
 
@@ -132,7 +132,7 @@ def test_layouts_match_one_process(world, reference, tmp_path):
             # this machine's stdlib corpus. A wrong slice or scale moves whole tensors by ~the update (1e-3).
             err = float((params[key] - want).norm() / want.norm().clamp(min=1e-12))
             assert err < 5e-5, (name, key, err)
-        if name in PLANNED:  # issue 6: predicted per-rank state within 5% of what training held
+        if name in PLANNED:  # the planner's per-rank state within 5% of what training held
             held = json.loads((tmp_path / name / "summary.json").read_text())["state_bytes_per_rank"]
             planned = _planned_elements(_cfg(tmp_path / name), PLANNED[name])
             measured = {"params": held["params"] / 4, "grads": held["grads"] / 4, "optimizer": held["optimizer"] / 8}

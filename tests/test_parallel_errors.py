@@ -1,5 +1,5 @@
 """Bad parallel layouts are refused before any process starts: one line naming the setting, the value
-and a fix, exit status 2, no traceback (issue: "clear errors before any collective")."""
+and a fix, exit status 2, no traceback (docs/design.md, principle 3)."""
 
 import pytest
 

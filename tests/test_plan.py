@@ -214,7 +214,7 @@ def test_cli_help_explains_every_option():
     (["--model", "llama3-8b", "--gpu", "H100-80GB", "--seq-len", "4096", "--global-batch-tokens", "5000"],
      "multiple of --seq-len"),
     (["--model", "llama3-8b", "--gpu", "A100-80GB", "--precision", "fp8"], "no fp8"),
-    (["--model", "llama3-8b", "--gpu", "H100-80GB", "--ep", "8"], "--ep (8) must divide"),
+    (["--model", "llama3-8b", "--gpu", "H100-80GB", "--ep", "8"], "parallel.ep = 8 needs an MoE model"),
     (["--model", "llama3-8b"], "--gpu is required"),
 ])
 def test_cli_bad_input(capsys, argv, msg):

@@ -27,7 +27,8 @@ def _check(results: list[dict[str, str]], cases) -> None:
 
 
 def test_world1_tp1_is_a_noop_and_loss_is_cross_entropy():
-    cases = [("tp=1 no-op", "tp1_noop", {}), ("plain loss and grad norm", "plain_loss_and_norm", {})]
+    cases = [("tp=1 no-op", "tp1_noop", {}), ("plain loss and grad norm", "plain_loss_and_norm", {}),
+             ("parallelize adds no attributes, world 1", "parallelize_adds_no_attributes", {})]
     _check([tp_worker.run_inline(cases)], cases)
 
 
@@ -47,6 +48,7 @@ def test_world2_tp2():
         ("tp=1 dim of a mesh", "tp1_noop", {}),
         ("HF Llama through moeflow.parallelize, tp=2", "hf_parallelize", dict(arch="llama", tp=2)),
         ("HF Qwen3-MoE through moeflow.parallelize, ep=2", "hf_parallelize", dict(arch="qwen3_moe", ep=2)),
+        ("parallelize adds no attributes, world 2", "parallelize_adds_no_attributes", {}),
     ]
     _check(tp_worker.launch(2, cases), cases)
 

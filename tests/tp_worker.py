@@ -470,9 +470,37 @@ def case_plain_loss_and_norm():
     assert torch.allclose(grad_norm_sq_local(model), want)
 
 
+# What torch's own wrappers record on the modules they wrap (fully_shard's composable-API state, DTensor's
+# distribute_module flag). Anything else new on a module after parallelize would be moeflow's.
+TORCH_WRAPPER_ATTRIBUTES = ("_fsdp_use_orig_params", "_is_fsdp_managed_module", "__composable_api_state_key_",
+                            "_distribute_module_applied")
+
+
+def case_parallelize_adds_no_attributes():
+    """moeflow.parallelize under several layouts: every module still present afterwards has exactly the attributes
+    it had before (torch's wrapper bookkeeping aside); what the run needs comes back in the ParallelState."""
+    import moeflow
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    layouts = [dict(), dict(activation_checkpointing="full")]
+    if world == 2:
+        layouts += [dict(ep=2), dict(tp=2), dict(pp=2, pp_schedule="GPipe", microbatches=2), dict(zero=1),
+                    dict(ep=2, activation_checkpointing="full")]
+    for layout in layouts:
+        model = moeflow_model("moe", tie_embeddings=False)
+        before = {name: set(vars(m)) for name, m in model.named_modules()}
+        state = moeflow.parallelize(model, **layout)
+        assert state.model is model and state.runner is not None, layout
+        for name, module in model.named_modules():
+            added = {a for a in set(vars(module)) - before.get(name, set())
+                     if not a.startswith(TORCH_WRAPPER_ATTRIBUTES)}
+            assert not added, f"parallelize({layout}) added {sorted(added)} to module {name!r}"
+
+
 CASES = {
     "moeflow": case_moeflow, "moe_grads_equal_over_tp": case_moe_grads_equal_over_tp, "hf": case_hf,
     "loss": case_loss, "bad_inputs": case_bad_inputs, "tp1_noop": case_tp1_noop,
     "plain_loss_and_norm": case_plain_loss_and_norm, "pipeline_stages": case_pipeline_stages,
     "tp_with_ep": case_tp_with_ep, "hf_parallelize": case_hf_parallelize,
+    "parallelize_adds_no_attributes": case_parallelize_adds_no_attributes,
 }

@@ -1,7 +1,7 @@
 """Decoder-only transformer written for one device: RMSNorm, RoPE, GQA (or MLA), SwiGLU or MoE FFN.
 
 Blocks live in a ModuleDict keyed by layer index, and the embedding, final norm and output head are
-optional, so a pipeline stage can keep a slice of the blocks and drop the rest (DESIGN.md, principle 1).
+optional, so a pipeline stage can keep a slice of the blocks and drop the rest (docs/design.md, principle 1).
 Shape suffixes: B batch, S sequence, D width, H heads, Hk kv heads, Dh head width, V vocab.
 """
 

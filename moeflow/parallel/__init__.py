@@ -1,1 +1,1 @@
-"""Parallelism applied to a single-device model from outside (DESIGN.md, principle 1)."""
+"""Parallelism applied to a single-device model from outside (docs/design.md, principle 1)."""

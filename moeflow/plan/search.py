@@ -1,16 +1,17 @@
 """Enumerate layouts, score each with the memory and time model, rank them.
 
-A layout: world = dp_replicate * dp_shard * tp * pp; tp stays inside a node and divides n_heads;
-pp <= n_layers; ep divides num_experts and dp_shard (experts are sharded inside the ZeRO group, as
-TorchTitan borrows EP from dp_shard); zero 1/2/3 acts on dp_shard (with dp_shard = 1 only zero 1 is
-listed, it is plain replication); micro_batch and activation checkpointing fill the rest.
-Feasible = fits in memory and the global batch splits into whole micro-batches.
+A layout: world = dp_replicate * dp_shard * tp * pp, with tp inside a node (a search choice: TP across nodes
+is never fast); every layout listed also passes moeflow.layout.ParallelDims, the rules the trainer checks
+(so the planner never recommends what `moeflow train` refuses); zero 1/2/3 acts on dp_shard (with
+dp_shard = 1 only zero 1 is listed, it is plain replication); micro_batch and activation checkpointing fill
+the rest. Feasible = fits in memory and the global batch splits into whole micro-batches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moeflow.layout import ParallelDims
 from moeflow.plan.layout import AC_MODES, Job, Layout
 from moeflow.plan.memory import memory_per_gpu
 from moeflow.plan.time import step_time
@@ -56,29 +57,33 @@ class Constraints:
         w, g = job.world, job.gpus_per_node
         if self.tp is not None and (self.tp < 1 or self.tp > g or g % self.tp):
             raise ValueError(f"--tp ({self.tp}) must divide --gpus-per-node ({g}); TP stays inside a node")
-        if self.pp is not None and (self.pp < 1 or w % self.pp or self.pp > job.model.n_layers):
-            raise ValueError(
-                f"--pp ({self.pp}) must divide the {w} GPUs and be <= n_layers ({job.model.n_layers})"
-            )
+        if self.pp is not None and (self.pp < 1 or w % self.pp):
+            raise ValueError(f"--pp ({self.pp}) must divide the {w} GPUs")
         if self.tp and self.pp and w % (self.tp * self.pp):
             raise ValueError(f"--tp ({self.tp}) x --pp ({self.pp}) must divide the {w} GPUs; lower one")
-        if self.ep is not None:
-            E = job.model.moe.num_experts
-            if self.ep > 1 and (not E or E % self.ep):
-                raise ValueError(
-                    f"--ep ({self.ep}) must divide the model's routed experts ({E}); "
-                    "use --ep 1 for a dense model"
-                )
-            if w % self.ep:
-                raise ValueError(f"--ep ({self.ep}) must divide the {w} GPUs")
+        if self.ep is not None and (self.ep < 1 or w % self.ep):
+            raise ValueError(f"--ep ({self.ep}) must divide the {w} GPUs")
         if self.zero is not None and self.zero not in (1, 2, 3):
             raise ValueError(f"--zero ({self.zero}) must be 1, 2 or 3")
+        # The pinned sizes against the model, by the trainer's own rules.
+        refusal = trainer_refusal(job, self.tp or 1, self.pp or 1, self.ep or 1, 1, 3)
+        if refusal:
+            raise ValueError(f"the pinned sizes cannot train this model: {refusal}")
+
+
+def trainer_refusal(job: Job, tp: int, pp: int, ep: int, dp_replicate: int, zero: int) -> str | None:
+    """Why `moeflow train` would refuse these sizes for this model (moeflow.layout.ParallelDims), or None."""
+    try:
+        ParallelDims(job.world, dp_replicate=dp_replicate, tp=tp, pp=pp, ep=ep, zero=zero).check_model(job.model)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def candidates(job: Job, cons: Constraints | None = None):
     cons = cons or Constraints()
     cfg, w, g = job.model, job.world, job.gpus_per_node
-    tps = [t for t in powers_of_two_upto(g) if cfg.n_heads % t == 0 and g % t == 0]
+    tps = [t for t in powers_of_two_upto(g) if g % t == 0]
     pps = [p for p in powers_of_two_upto(min(cfg.n_layers, 64)) if w % p == 0]
     E = cfg.moe.num_experts if cfg.is_moe else 1
     for tp in tps if cons.tp is None else [cons.tp]:
@@ -95,6 +100,8 @@ def candidates(job: Job, cons: Constraints | None = None):
                         continue
                     zeros = (1,) if dp_shard == 1 else (1, 2, 3)
                     for zero in zeros if cons.zero is None else [cons.zero]:
+                        if trainer_refusal(job, tp, pp, ep, dp // dp_shard, zero):
+                            continue
                         for mb in MICRO_BATCHES:
                             for ac in AC_MODES:
                                 yield Layout(dp // dp_shard, dp_shard, tp, pp, ep, zero, mb, ac)

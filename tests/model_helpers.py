@@ -1,0 +1,23 @@
+"""Small model configs shared by the model tests (test_transformer.py, test_moe.py, test_model_config.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from moeflow.models.config import MoEConfig
+
+SMALL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=32)
+
+
+def small_moe(**moe) -> MoEConfig:
+    base = dict(num_experts=4, top_k=2, ffn_dim=24)
+    base.update(moe)
+    return MoEConfig(**base)
+
+
+MLA_SMALL = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
+
+
+def _seed_model(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    model.init_weights(seed=seed)
+    return model
