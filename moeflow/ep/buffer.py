@@ -516,13 +516,14 @@ class _Dispatch(torch.autograd.Function):
             (recv_x,), recv_w, extras = buffer._dispatch_new([x_TD], topk_weights_TK, *how)
             box["extras"], handle = extras, extras[2]
         ctx.buffer, ctx.handle, ctx.has_w, ctx.x_dtype = buffer, handle, recv_w is not None, x_TD.dtype
+        ctx.device = x_TD.device
         return recv_x, recv_w
 
     @staticmethod
     def backward(ctx, g_recv_x, g_recv_w):
         handle = ctx.handle
         if g_recv_x is None:
-            g_recv_x = torch.zeros(handle.num_rows, handle.hidden, dtype=ctx.x_dtype)
+            g_recv_x = torch.zeros(handle.num_rows, handle.hidden, dtype=ctx.x_dtype, device=ctx.device)
         vals = [g_recv_x]
         if ctx.has_w:
             g = g_recv_w if g_recv_w is not None else torch.zeros_like(handle.recv_topk_idx, dtype=torch.float32)

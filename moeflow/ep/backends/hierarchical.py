@@ -76,7 +76,7 @@ class HierarchicalBackend:
         for s in range(R):  # canonical order: source rank ascending (s = m*G + j)
             m, j = divmod(s, G)
             start = start2[j] + sum(cnt.to_rank(mm * G + j, me) for mm in range(m))
-            order.append(torch.arange(start, start + cnt.to_rank(s, me)))
+            order.append(torch.arange(start, start + cnt.to_rank(s, me), device=rows_TB.device))
         plan = HierarchicalPlan(send1_idx, send1, recv1, send2_idx, send2, recv2, torch.cat(order), T,
                                 fwd_FB.shape[0], sum(recv2))
         return self._phase2(fwd_FB, plan, op), plan
