@@ -100,6 +100,15 @@ class ParallelConfig:
     """Pipeline micro-batches per step; 0 = per-rank batch / training.micro_batch (one sequence each if unset)."""
     ep_backend: str = "auto"
     """moeflow.ep backend: 'auto', 'alltoall', 'hierarchical', 'allgather'."""
+    ep_overlap: bool = True
+    """Expert parallelism: start each dispatch / combine asynchronously and wait as late as possible (the shared
+    experts, and other chunks' experts, compute meanwhile), in forward and backward; results equal off."""
+    ep_overlap_chunks: int = 1
+    """Expert parallelism: split each MoE layer's tokens into this many chunks, so one chunk's communication
+    is in flight while another's experts compute."""
+    ep_num_worst_tokens: int = 0
+    """Expert parallelism: 0 = exact receive sizes (one host sync per dispatch for the counts); -1 = static
+    sizes that never drop a token (EP ranks x tokens per chunk): no host sync in the MoE layer."""
 
 
 @dataclass
@@ -167,6 +176,12 @@ class JobConfig:
         if not 0 < self.data.val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
         check_choice("data.token_dtype", self.data.token_dtype, ("uint16", "uint32"))
+        p = self.parallel
+        if p.ep_overlap_chunks < 1:
+            raise ValueError(f"parallel.ep_overlap_chunks must be at least 1, got {p.ep_overlap_chunks}")
+        if p.ep_num_worst_tokens < -1:
+            raise ValueError(f"parallel.ep_num_worst_tokens = {p.ep_num_worst_tokens}; use 0 (exact sizes), -1 (static "
+                             f"sizes that never drop a token) or a number of rows")
         return self
 
     def layout(self, world_size: int) -> tuple[ParallelDims, BatchSplit]:

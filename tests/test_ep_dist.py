@@ -77,8 +77,7 @@ def cases_for(R: int, layouts: list[tuple[str, int]], n_drawn: int, moe: bool, t
         tag = f"{backend}/G{G}"
         cases.append((f"worst_tokens {tag}", "reference",
                       dict(routing=r, backend=backend, G=G, W="safe", align=4)))
-        cases.append((f"worst_tokens_exact {tag}", "reference", dict(routing=routings["drawn0"], backend=backend,
-                                                                     G=G, W="exact")))
+        cases.append((f"static_overflow {tag}", "static_overflow", dict(routing=routings["drawn0"], G=G)))
         cases.append((f"layout_only {tag}", "layout_only", dict(routing=routings["drawn1"], backend=backend, G=G)))
         cases.append((f"fp8 {tag}", "fp8", dict(routing=routings["topk_equals_num_experts"], backend=backend, G=G)))
     cases.append(("low_latency fp8", "low_latency", dict(routing=ll_routing(routings["drawn2"]), G=1, D=128)))
@@ -86,6 +85,11 @@ def cases_for(R: int, layouts: list[tuple[str, int]], n_drawn: int, moe: bool, t
     if moe:
         for backend, G in layouts:
             cases.append((f"moe {backend}/G{G}", "moe", dict(backend=backend, G=G, E=2 * R if R > 4 else 8)))
+        for chunks in (1, 2, 4) if R <= 2 else (2,):
+            backend, G = layouts[0]
+            cases.append((f"overlap {backend}/G{G} chunks={chunks}", "overlap",
+                          dict(backend=backend, G=G, chunks=chunks, E=2 * R if R > 4 else 8)))
+        cases.append(("host_syncs", "host_syncs", dict(G=layouts[0][1], E=2 * R if R > 4 else 8)))
     if timeout:
         cases.append(("timeout", "timeout", {}))  # last: it leaves an unmatched collective behind
     return cases

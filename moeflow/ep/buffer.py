@@ -13,6 +13,13 @@ Shape legend: T tokens, K top-k, E experts, L local experts (E // R), D hidden, 
 Nothing about one dispatch is kept in `self` (micro-batches may overlap): it lives in the handle.
 dispatch and combine are differentiable w.r.t. x and topk_weights; backward of dispatch is a combine,
 backward of combine is a cached dispatch, both reusing the handle.
+
+Asynchronous calls (DeepEP's semantics): with async_finish=True dispatch and combine return as soon as the
+communication is started; the outputs hold their values after `event.current_stream_wait()` (or `with event:`).
+`event.wait(*outputs)` does the same and returns the outputs through an autograd node whose backward starts
+the reverse communication early, so backward overlaps as forward does (moeflow/ep/autograd.py).
+`previous_event` makes a call wait for an earlier one first. With num_worst_tokens = W > 0 the receive size is
+static and dispatch reads nothing back to the host (backends/static.py): no host sync, as CUDA graphs need.
 """
 
 from __future__ import annotations
@@ -26,9 +33,12 @@ import torch.distributed as dist
 
 from moeflow.ep import layout as L_
 from moeflow.ep import wire
+from moeflow.ep.autograd import Flight, issue
+from moeflow.ep.autograd import wait as wait_node
 from moeflow.ep.backends import BACKENDS, make_backend
 from moeflow.ep.backends.base import Counts, Route, Topology, from_f32
-from moeflow.ep.comm import Comm, EPStats
+from moeflow.ep.backends.static import StaticBackend
+from moeflow.ep.comm import Comm, EPStats, Pending
 from moeflow.ep.fp8 import FP8_BLOCK, check_fp8_hidden
 
 X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,14 +47,31 @@ _SUBGROUPS: dict[tuple, tuple[list, list]] = {}
 
 
 class EventOverlap:
-    """DeepEP's event wrapper. Collectives here finish before the call returns, so waiting is a no-op."""
+    """DeepEP's event wrapper: the communication a call started (a Flight), or a CUDA event, or nothing (the
+    call finished before returning). Waiting finishes the communication: on a GPU the current stream waits
+    for NCCL's (no host sync); on gloo the host waits for the worker thread."""
 
-    def __init__(self, event=None):
-        self.event = event
+    def __init__(self, event=None, flight: Flight | None = None):
+        self.event, self.flight = event, flight
 
     def current_stream_wait(self) -> None:
+        if self.flight is not None:
+            self.flight.wait()
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
+
+    def synchronize(self) -> None:
+        """Wait for the communication and for the device (a host sync)."""
+        self.current_stream_wait()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()
+
+    def wait(self, *tensors):
+        """current_stream_wait(), then return `tensors` (this call's outputs) through an autograd node whose
+        backward starts the gradients' communication without waiting (moeflow/ep/autograd.py)."""
+        if self.flight is None:
+            return tensors
+        return wait_node(self.flight, *tensors)
 
     def __enter__(self):
         return self
@@ -66,12 +93,22 @@ class EPHandle:
     num_topk: int  # K (0 when dispatched without topk_idx)
     is_token_in_rank: torch.Tensor  # [T, R]
     recv_topk_idx: torch.Tensor | None  # [N or W, K] local expert ids, -1 elsewhere
-    plan: object  # the backend's routing plan
+    plan: object  # the backend's routing plan (None while the dispatch is in flight)
+    pending: Pending | None = None  # the dispatch, while in flight
+    static: bool = False  # sent in fixed-size blocks (num_worst_tokens): num_recv is W, no host counts
+    dtype: torch.dtype = torch.float32  # of the dispatched x
 
     @property
     def num_rows(self) -> int:
         """Rows of recv_x (and of combine's input): W when static, else N."""
         return self.num_worst_tokens or self.num_recv
+
+    def ready(self) -> EPHandle:
+        """The routing, once the dispatch that made it has arrived (waits for it if still in flight)."""
+        if self.pending is not None:
+            self.pending.finish()
+            self.pending = None
+        return self
 
 
 def _split_x(x):
@@ -227,6 +264,8 @@ class Buffer:
     def reset_stats(self) -> None:
         for name in EPStats.__dataclass_fields__:
             setattr(self.stats, name, 0)
+        if hasattr(self, "_static"):
+            self._static.overflow = None
 
     def destroy(self) -> None:
         pass
@@ -265,15 +304,19 @@ class Buffer:
 
         -> recv_x ([N or W, D], or the fp8 pair), recv_topk_idx [N or W, K] (local ids, -1 elsewhere and on
         padding rows), recv_topk_weights (0 where the id is -1), num_recv_tokens_per_expert_list (python
-        ints, each rounded up to expert_alignment), handle, event.
+        ints, each rounded up to expert_alignment; [] when num_worst_tokens > 0, as DeepEP: the counts stay on
+        the device), handle, event.
         With `handle` (cached dispatch) the routing is reused: -> (recv_x, None, None, None, None, event).
         `num_experts` is a moeflow extension for callers that pass topk_idx without num_tokens_per_expert.
+        allocate_on_comm_stream is accepted for DeepEP's signature (outputs are allocated on the caller's stream).
         """
         if self._external is not None:
             return self._external.dispatch(
                 x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                 previous_event, async_finish, allocate_on_comm_stream)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
         x_TD, scales_TS = _split_x(x)
         if handle is not None:
             self._check_handle(handle, x_TD.shape[1], "dispatch")
@@ -285,14 +328,16 @@ class Buffer:
             if x_TD.shape[0] != handle.num_tokens:
                 raise ValueError(f"cached dispatch: x has {x_TD.shape[0]} rows, the handle {handle.num_tokens}")
             if scales_TS is not None:
-                recv = self._send_cached([x_TD, scales_TS], handle, "Buffer.dispatch")
-                return (recv[0], recv[1]), None, None, None, None, EventOverlap()
-            recv_x = _Dispatch.apply(self, handle, {}, x_TD, None)[0]
-            return recv_x, None, None, None, None, EventOverlap()
+                outs, flight = self._start_cached([x_TD, scales_TS], handle, "Buffer.dispatch", async_finish)
+                return (outs[0], outs[1]), None, None, None, None, EventOverlap(flight=flight)
+            (recv_x,), flight = issue(
+                lambda x_: self._start_cached([x_], handle, "Buffer.dispatch", async_finish), x_TD)
+            return recv_x, None, None, None, None, EventOverlap(flight=flight)
 
         if num_experts is None and num_tokens_per_expert is not None:
             num_experts = num_tokens_per_expert.numel()
         T = x_TD.shape[0]
+        static = bool(num_worst_tokens) if isinstance(num_worst_tokens, int) else False
         if topk_idx is not None:
             if num_experts is None:
                 raise ValueError(
@@ -300,7 +345,8 @@ class Buffer:
                     "num_experts=...; pass one of them"
                 )
             self.check_num_experts(num_experts)
-            L_.check_topk_idx(topk_idx, num_experts)
+            # The static path trusts the ids (reading them back would be the host sync it exists to avoid).
+            L_.check_topk_idx(topk_idx, num_experts, check_values=not static)
             if topk_idx.shape[0] != T:
                 raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {T}; they must match")
             _check_weights(topk_weights, T, topk_idx.shape[1], "topk_weights")
@@ -308,6 +354,9 @@ class Buffer:
             raise ValueError("dispatch needs topk_idx or is_token_in_rank (from get_dispatch_layout), or a handle")
         elif topk_weights is not None:
             raise ValueError("topk_weights without topk_idx cannot be mapped to experts; pass topk_idx too")
+        elif static:
+            raise ValueError("num_worst_tokens > 0 needs topk_idx (padding rows are told apart by their -1 ids); "
+                             "pass topk_idx, or num_worst_tokens=0")
         if is_token_in_rank is None:
             is_token_in_rank = L_.token_rank_mask(topk_idx, num_experts, self.group_size)
         elif (is_token_in_rank.dtype != torch.bool
@@ -320,21 +369,29 @@ class Buffer:
             raise ValueError(f"expert_alignment = {expert_alignment!r} must be an int >= 1 (1 = no padding)")
         if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens = {num_worst_tokens!r} must be an int >= 0 (0 = exact size)")
+        if static and num_worst_tokens < self.group_size:
+            raise ValueError(f"num_worst_tokens = {num_worst_tokens} must be at least the EP group size "
+                             f"({self.group_size}): each peer gets num_worst_tokens // {self.group_size} slots")
         if scales_TS is not None and (x_TD.requires_grad or topk_weights is not None
                                       and topk_weights.requires_grad) and torch.is_grad_enabled():
             raise ValueError("fp8 dispatch is not differentiable; dispatch bf16/fp32 x for training")
 
-        args = (topk_idx, is_token_in_rank, num_experts, expert_alignment, num_worst_tokens)
+        args = (topk_idx, is_token_in_rank, num_experts, expert_alignment, num_worst_tokens, async_finish)
         if scales_TS is not None:
-            out = self._dispatch_new([x_TD, scales_TS], topk_weights, *args)
-            (recv_x, recv_s), recv_w, extras = out
+            (recv_x, recv_s, recv_w), extras, flight = self._start_new([x_TD, scales_TS], topk_weights, *args)
             recv_x = (recv_x, recv_s)
         else:
             box: dict = {}
-            recv_x, recv_w = _Dispatch.apply(self, args, box, x_TD, topk_weights)
+
+            def start(x_, w_):
+                outs, extras_, flight_ = self._start_new([x_], w_, *args)
+                box["extras"] = extras_
+                return outs, flight_
+
+            (recv_x, recv_w), flight = issue(start, x_TD, topk_weights)
             extras = box["extras"]
         recv_idx, counts, handle = extras
-        return recv_x, recv_idx, recv_w, counts, handle, EventOverlap()
+        return recv_x, recv_idx, recv_w, counts, handle, EventOverlap(flight=flight)
 
     def _check_handle(self, handle, hidden: int, where: str) -> None:
         if not isinstance(handle, EPHandle):
@@ -350,30 +407,14 @@ class Buffer:
                 "a handle is tied to one hidden size, dispatch again for another"
             )
 
-    def _dispatch_new(self, xs: list[torch.Tensor], topk_weights, topk_idx, mask_TR, num_experts,
-                      expert_alignment, num_worst_tokens):
-        """Route and send; -> (recv xs, recv_topk_weights, (recv_topk_idx, counts list, handle))."""
-        topo, R, G = self.topo, self.group_size, self.ranks_per_node
-        T = xs[0].shape[0]
-        dev = mask_TR.device
-        vec = [torch.tensor([T], device=dev), mask_TR.sum(0), L_.node_mask(mask_TR, G).sum(0)]
-        if topk_idx is not None:
-            # -1 entries count in a last bin that is dropped (no boolean indexing: no sync on GPUs)
-            key = torch.where(topk_idx >= 0, topk_idx, num_experts).reshape(-1)
-            vec.append(torch.bincount(key, minlength=num_experts + 1)[:num_experts])
-        vec_C = torch.cat([v.to(torch.int64) for v in vec])
-        # host sync: the count exchange; split sizes of the all-to-all must be python ints
-        rows = topo.main.all_gather(vec_C, "Buffer.dispatch (count exchange)").tolist()
-        counts = Counts(rows, R, self.num_nodes)
-        recv_per_rank = [sum(counts.to_rank(s, r) for s in range(R)) for r in range(R)]
-        if num_worst_tokens and max(recv_per_rank) > num_worst_tokens:
-            # Every rank sees every count, so all ranks raise together and none waits in the next collective.
-            worst = max(recv_per_rank)
-            raise ValueError(
-                f"num_worst_tokens = {num_worst_tokens} is too small: rank {recv_per_rank.index(worst)} would "
-                f"receive {worst} rows (this rank {recv_per_rank[self.rank]}); raise num_worst_tokens to at "
-                f"least {worst} (the safe bound is the sum of all ranks' token counts)"
-            )
+    # ---- the internals: start a communication, fill preallocated outputs when it arrives --------------
+    def _start_new(self, xs: list[torch.Tensor], topk_weights, topk_idx, mask_TR, num_experts, expert_alignment,
+                   num_worst_tokens, async_op):
+        """Route and start sending -> ([recv xs..., recv_topk_weights], (recv_topk_idx, counts list, handle),
+        flight). The outputs are allocated here and filled when the flight finishes."""
+        R = self.group_size
+        T, W = xs[0].shape[0], num_worst_tokens
+        static = W > 0
         payload = list(xs)
         K = 0
         if topk_idx is not None:
@@ -382,60 +423,172 @@ class Buffer:
             if topk_weights is not None:
                 payload.append(topk_weights)
         specs = [wire.spec_of(t) for t in payload]
-        mask_from_rows = None
-        if topk_idx is not None:
-            idx_off = wire.row_nbytes(specs[:len(xs)])
-
-            def mask_from_rows(rows_nB):
-                idx = wire.column(rows_nB, idx_off, 8 * K, torch.int64)
-                return L_.token_rank_mask(idx, num_experts, R)
-
+        idx_off = wire.row_nbytes(specs[:len(xs)])
+        idx_of = (lambda rows_nB: wire.column(rows_nB, idx_off, 8 * K, torch.int64)) if K else None
         self.stats.calls += 1
-        recv_rows, plan = self._backend.dispatch(
-            wire.pack(payload), Route(mask_TR, counts, mask_from_rows), "Buffer.dispatch"
-        )
-        recv = wire.unpack(recv_rows, specs)
-        N = recv_rows.shape[0]
-        W = num_worst_tokens
-        recv_idx = recv_w = None
         counts_list: list[int] = []
-        if topk_idx is not None:
-            Lx = num_experts // R
-            lo = self.rank * Lx
-            gidx = recv[len(xs)]
-            local = gidx - lo
-            recv_idx = torch.where((gidx >= lo) & (gidx < lo + Lx), local, torch.full_like(local, -1))
-            if topk_weights is not None:
-                recv_w = torch.where(recv_idx >= 0, recv[len(xs) + 1], torch.zeros_like(recv[len(xs) + 1]))
-            per_expert = [sum(counts.extra(s)[lo + e] for s in range(R)) for e in range(Lx)]
-            a = expert_alignment
-            counts_list = [(c + a - 1) // a * a for c in per_expert]
-            if W:
-                recv_idx = torch.cat([recv_idx, recv_idx.new_full((W - N, K), -1)])
-                if recv_w is not None:
-                    recv_w = torch.cat([recv_w, recv_w.new_zeros(W - N, K)])
-        recv_xs = recv[:len(xs)]
-        if W:
-            recv_xs = [torch.cat([r, r.new_zeros((W - N, *r.shape[1:]))]) for r in recv_xs]
-        handle = EPHandle(self._id, xs[0].shape[1], T, N, W, num_experts or 0, K, mask_TR, recv_idx, plan)
-        return recv_xs, recv_w, (recv_idx, counts_list, handle)
+        if static:
+            rows = W
+            backend = self._static_backend()
+            pending = backend.dispatch(
+                wire.pack(payload), backend.plan_slots(mask_TR, W), _padding_row(specs, len(xs), K, xs[0].device),
+                lambda rows_nB: (idx_of(rows_nB) >= 0).any(1), W, "Buffer.dispatch", async_op=True)
+        else:
+            counts = self._exchange_counts(T, mask_TR, topk_idx, num_experts)
+            recv_per_rank = [sum(counts.to_rank(s, r) for s in range(R)) for r in range(R)]
+            rows = recv_per_rank[self.rank]
+            mask_from_rows = None
+            if K:
+                def mask_from_rows(rows_nB):
+                    return L_.token_rank_mask(idx_of(rows_nB), num_experts, R)
+                Lx = num_experts // R
+                lo = self.rank * Lx
+                per_expert = [sum(counts.extra(s)[lo + e] for s in range(R)) for e in range(Lx)]
+                a = expert_alignment
+                counts_list = [(c + a - 1) // a * a for c in per_expert]
+            pending = self._backend.dispatch(wire.pack(payload), Route(mask_TR, counts, mask_from_rows),
+                                             "Buffer.dispatch", async_op=True)
+        dev = xs[0].device
+        recv_xs = [x.new_empty((rows, *x.shape[1:])) for x in xs]
+        recv_idx = torch.empty((rows, K), dtype=torch.int64, device=dev) if K else None
+        recv_w = torch.empty((rows, K), dtype=torch.float32, device=dev) if topk_weights is not None else None
+        handle = EPHandle(self._id, xs[0].shape[1], T, rows, W, num_experts or 0, K, mask_TR, recv_idx, None,
+                          static=static, dtype=xs[0].dtype)
 
-    def _send_cached(self, xs: list[torch.Tensor], handle: EPHandle, op: str) -> list[torch.Tensor]:
-        """Dispatch per-token tensors along a handle's routing; padded to W rows when static."""
+        def arrived(result):
+            recv_rows, plan = result
+            recv, n = wire.unpack(recv_rows, specs), recv_rows.shape[0]
+            with torch.no_grad():  # filling this call's own outputs
+                for out, got in zip(recv_xs, recv):
+                    out[:n].copy_(got)
+                    out[n:].zero_()
+                if K:
+                    self._local_ids(recv[len(xs)], num_experts, recv_idx)
+                if recv_w is not None:
+                    recv_w[:n].copy_(torch.where(recv_idx[:n] >= 0, recv[len(xs) + 1], 0.0))
+                    recv_w[n:].zero_()
+            handle.plan = plan
+            return recv_rows
+
+        pending.then(arrived)
+        handle.pending = pending
+        with_w = recv_w is not None
+        flight = Flight(pending, lambda grads, async_op_: self._dispatch_backward(handle, grads, with_w, async_op_),
+                        overlap=async_op)
+        if not async_op:
+            handle.ready()
+        return [*recv_xs, recv_w], (recv_idx, counts_list, handle), flight
+
+    def _static_backend(self) -> StaticBackend:
+        if not hasattr(self, "_static"):
+            self._static = StaticBackend(self.topo)
+        return self._static
+
+    @property
+    def static_overflow(self) -> torch.Tensor | None:
+        """(token, rank) copies the static path could not send (num_worst_tokens too small), on the device;
+        read it where the caller syncs anyway. None before any static dispatch."""
+        return getattr(self, "_static", None) and self._static.overflow
+
+    def _exchange_counts(self, T: int, mask_TR, topk_idx, num_experts) -> Counts:
+        """Every rank's tokens per destination rank, node and expert (one all_gather)."""
+        dev = mask_TR.device
+        vec = [torch.tensor([T], device=dev), mask_TR.sum(0), L_.node_mask(mask_TR, self.ranks_per_node).sum(0)]
+        if topk_idx is not None:
+            # -1 entries count in a last bin that is dropped (no boolean indexing: no sync on GPUs)
+            key = torch.where(topk_idx >= 0, topk_idx, num_experts).reshape(-1)
+            vec.append(torch.bincount(key, minlength=num_experts + 1)[:num_experts])
+        vec_C = torch.cat([v.to(torch.int64) for v in vec])
+        # host sync: the count exchange; split sizes of the all-to-all must be python ints
+        rows = self.topo.main.all_gather(vec_C, "Buffer.dispatch (count exchange)").tolist()
+        return Counts(rows, self.group_size, self.num_nodes)
+
+    def _local_ids(self, gidx: torch.Tensor, num_experts: int, out: torch.Tensor) -> None:
+        """out[:n] = global expert ids -> this rank's local ids (-1 elsewhere); the padding rows -1."""
+        Lx = num_experts // self.group_size
+        lo = self.rank * Lx
+        local = gidx - lo
+        n = gidx.shape[0]
+        out[:n].copy_(torch.where((gidx >= lo) & (gidx < lo + Lx), local, torch.full_like(local, -1)))
+        out[n:].fill_(-1)
+
+    def _start_cached(self, xs: list[torch.Tensor], handle: EPHandle, op: str, async_op: bool):
+        """Send per-token tensors along a handle's routing -> (outputs [rows, ...] filled on arrival, flight)."""
+        handle.ready()
         self.stats.calls += 1
         specs = [wire.spec_of(t) for t in xs]
-        recv = wire.unpack(self._backend.dispatch_cached(wire.pack(xs), handle.plan, op), specs)
-        if handle.num_worst_tokens:
-            pad = handle.num_worst_tokens - handle.num_recv
-            recv = [torch.cat([r, r.new_zeros((pad, *r.shape[1:]))]) for r in recv]
-        return recv
+        backend = self._static if handle.static else self._backend
+        pending = backend.dispatch_cached(wire.pack(xs), handle.plan, op, async_op=True)
+        outs = [x.new_empty((handle.num_rows, *x.shape[1:])) for x in xs]
 
-    def _reduce(self, vals: list[torch.Tensor], handle: EPHandle, op: str) -> list[torch.Tensor]:
-        """Sum the copies of each token back on its source rank (float32 accumulation, caller dtypes)."""
+        def arrived(recv_rows):
+            with torch.no_grad():
+                for out, got in zip(outs, wire.unpack(recv_rows, specs)):
+                    out[:got.shape[0]].copy_(got)
+                    out[got.shape[0]:].zero_()
+            return recv_rows
+
+        pending.then(arrived)
+        flight = Flight(pending, lambda grads, async_op_: self._cached_backward(handle, grads, async_op_),
+                        overlap=async_op)
+        if not async_op:
+            flight.wait()
+        return outs, flight
+
+    def _start_reduce(self, vals: list[torch.Tensor], handle: EPHandle, op: str, async_op: bool,
+                      outs: list[torch.Tensor] | None = None):
+        """Sum the copies of each token back on its source rank (float32 accumulation, caller dtypes)
+        -> (outputs [T, ...] filled on arrival, flight)."""
+        handle.ready()
         self.stats.calls += 1
-        vals = [v[:handle.num_recv] for v in vals]
+        if not handle.static:
+            vals = [v[:handle.num_recv] for v in vals]
         specs = [wire.spec_of(v) for v in vals]
-        return from_f32(self._backend.combine(vals, handle.plan, op), specs)
+        backend = self._static if handle.static else self._backend
+        pending = backend.combine(vals, handle.plan, op, async_op=True)
+        if outs is None:
+            outs = [v.new_empty((handle.num_tokens, *v.shape[1:])) for v in vals]
+
+        def arrived(mat_TC):
+            with torch.no_grad():
+                for out, got in zip(outs, from_f32(mat_TC, specs)):
+                    out.copy_(got)
+            return mat_TC
+
+        pending.then(arrived)
+        return outs, pending
+
+    def _dispatch_backward(self, handle: EPHandle, grads: list, with_w: bool, async_op: bool):
+        """Gradients of (recv_x, recv_w) -> of (x, topk_weights): a combine along the handle."""
+        g_x, g_w = grads[0], grads[1] if len(grads) > 1 else None
+        if g_x is None:
+            g_x = torch.zeros(handle.num_rows, handle.hidden, dtype=handle.dtype, device=handle.is_token_in_rank.device)
+        vals = [g_x]
+        if with_w:
+            g = g_w if g_w is not None else torch.zeros_like(handle.recv_topk_idx, dtype=torch.float32)
+            # Entries of experts elsewhere were forwarded as 0, so they carry no gradient.
+            vals.append(g.masked_fill(handle.recv_topk_idx < 0, 0.0))
+        outs, pending = self._start_reduce(vals, handle, "Buffer.dispatch backward (combine)", async_op)
+        result = lambda _: [outs[0], outs[1] if with_w else None]
+        pending.then(result)
+        return pending if async_op else pending.finish()
+
+    def _cached_backward(self, handle: EPHandle, grads: list, async_op: bool):
+        outs, pending = self._start_reduce([grads[0]], handle, "Buffer.dispatch backward (combine)", async_op)
+        pending.then(lambda _: [outs[0]])
+        return pending if async_op else pending.finish()
+
+    def _combine_backward(self, handle: EPHandle, grads: list, with_w: bool, async_op: bool):
+        """Gradients of (combined_x, combined_w) -> of (x, topk_weights): a cached dispatch along the handle."""
+        g_x, g_w = grads[0], grads[1] if len(grads) > 1 else None
+        vals = [g_x]
+        if with_w:
+            vals.append(g_w if g_w is not None else g_x.new_zeros(g_x.shape[0], handle.num_topk))
+        outs, flight = self._start_cached(vals, handle, "Buffer.combine backward (dispatch)", async_op)
+        result = [outs[0], outs[1] if with_w else None]
+        if async_op:
+            return flight.pending.then(lambda _: result)
+        return result
 
     # ---- combine ----------------------------------------------------------------------------------
     def combine(self, x, handle: EPHandle, topk_weights=None, bias=None, config=None, previous_event=None,
@@ -445,6 +598,8 @@ class Buffer:
         if self._external is not None:
             return self._external.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                                           allocate_on_comm_stream)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in X_DTYPES:
             raise ValueError(
                 f"combine x must be a 2-D [N, D] tensor of {[str(d) for d in X_DTYPES]}, got "
@@ -458,31 +613,56 @@ class Buffer:
         if topk_weights is not None:
             K = topk_weights.shape[-1] if isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2 else -1
             _check_weights(topk_weights, handle.num_rows, K, "combine topk_weights")
-        out_x, out_w = _Combine.apply(self, handle, x, topk_weights)
+        with_w = topk_weights is not None
+
+        def start(x_, w_):
+            outs, pending = self._start_reduce([x_] + ([w_] if with_w else []), handle, "Buffer.combine",
+                                               async_finish)
+            flight = Flight(pending, lambda grads, a: self._combine_backward(handle, grads, with_w, a),
+                            overlap=async_finish)
+            if not async_finish:
+                flight.wait()
+            return [outs[0], outs[1] if with_w else None], flight
+
+        (out_x, out_w), flight = issue(start, x, topk_weights)
         if bias is not None:
+            if async_finish:
+                raise ValueError("combine(bias=..., async_finish=True): add the bias after waiting, or pass "
+                                 "async_finish=False")
             for b in bias if isinstance(bias, tuple | list) else (bias,):
                 if b is not None:
                     out_x = out_x + b.to(out_x.dtype)
-        return out_x, out_w, EventOverlap()
+        return out_x, out_w, EventOverlap(flight=flight)
 
     # ---- low latency --------------------------------------------------------------------------------
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False):
-        """-> recv_x [L, R * Tm, D] (or the fp8 pair), recv_count [L] int32, handle, event, hook."""
+        """-> recv_x [L, R * Tm, D] (or the fp8 pair), recv_count [L] int32, handle, event, hook.
+        With return_recv_hook the call only starts the sends; calling hook() completes the receive (the
+        outputs hold their values after it)."""
         if self._external is not None:
             return self._external.low_latency_dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
         from moeflow.ep.low_latency import ll_dispatch
 
+        if async_finish and return_recv_hook:
+            raise ValueError("low_latency_dispatch: async_finish and return_recv_hook cannot be combined "
+                             "(DeepEP's rule); use one")
         self.check_num_experts(num_experts)
-        recv_x, recv_count, handle = ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                                 num_experts, use_fp8)
+        recv_x, recv_count, handle, pending = ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                                          num_experts, use_fp8)
         if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += recv_count.to(cumulative_local_expert_recv_stats.dtype)
-        return recv_x, recv_count, handle, EventOverlap(), (lambda: None) if return_recv_hook else None
+            stats = cumulative_local_expert_recv_stats
+
+            def count(value):
+                stats.add_(recv_count.to(stats.dtype))
+                return value
+
+            pending.then(count)
+        return self._ll_result((recv_x, recv_count, handle), pending, async_finish, return_recv_hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
@@ -493,60 +673,24 @@ class Buffer:
                                                       zero_copy, async_finish, return_recv_hook, out)
         from moeflow.ep.low_latency import ll_combine
 
-        y = ll_combine(self, x, topk_idx, topk_weights, handle)
-        if out is not None:
-            out.copy_(y)
-            y = out
-        return y, EventOverlap(), (lambda: None) if return_recv_hook else None
-
-
-class _Dispatch(torch.autograd.Function):
-    """recv_x, recv_topk_weights = dispatch(x, topk_weights); backward = combine along the same handle.
-
-    `how` is a handle (cached dispatch of x) or the routing arguments of a new dispatch; the non-tensor
-    results (recv_topk_idx, counts, handle) are returned through `box`.
-    """
+        if async_finish and return_recv_hook:
+            raise ValueError("low_latency_combine: async_finish and return_recv_hook cannot be combined "
+                             "(DeepEP's rule); use one")
+        y, pending = ll_combine(self, x, topk_idx, topk_weights, handle, out)
+        return self._ll_result((y,), pending, async_finish, return_recv_hook)
 
     @staticmethod
-    def forward(ctx, buffer: Buffer, how, box: dict, x_TD, topk_weights_TK):
-        if isinstance(how, EPHandle):
-            handle, recv_w = how, None
-            recv_x = buffer._send_cached([x_TD], handle, "Buffer.dispatch")[0]
-        else:
-            (recv_x,), recv_w, extras = buffer._dispatch_new([x_TD], topk_weights_TK, *how)
-            box["extras"], handle = extras, extras[2]
-        ctx.buffer, ctx.handle, ctx.has_w, ctx.x_dtype = buffer, handle, recv_w is not None, x_TD.dtype
-        ctx.device = x_TD.device
-        return recv_x, recv_w
-
-    @staticmethod
-    def backward(ctx, g_recv_x, g_recv_w):
-        handle = ctx.handle
-        if g_recv_x is None:
-            g_recv_x = torch.zeros(handle.num_rows, handle.hidden, dtype=ctx.x_dtype, device=ctx.device)
-        vals = [g_recv_x]
-        if ctx.has_w:
-            g = g_recv_w if g_recv_w is not None else torch.zeros_like(handle.recv_topk_idx, dtype=torch.float32)
-            # Entries of experts elsewhere were forwarded as 0, so they carry no gradient.
-            vals.append(g.masked_fill(handle.recv_topk_idx < 0, 0.0))
-        out = ctx.buffer._reduce(vals, handle, "Buffer.dispatch backward (combine)")
-        return None, None, None, out[0], (out[1] if ctx.has_w else None)
+    def _ll_result(outputs: tuple, pending: Pending, async_finish: bool, return_recv_hook: bool) -> tuple:
+        flight = Flight(pending, None, overlap=False)
+        if not (async_finish or return_recv_hook):
+            flight.wait()
+        hook = flight.wait if return_recv_hook else None
+        return (*outputs, EventOverlap(flight=flight if async_finish else None), hook)
 
 
-class _Combine(torch.autograd.Function):
-    """combined_x, combined_w = combine(x, topk_weights); backward = a cached dispatch of the gradients."""
-
-    @staticmethod
-    def forward(ctx, buffer: Buffer, handle: EPHandle, x_ND, w_NK):
-        vals = [x_ND] + ([w_NK] if w_NK is not None else [])
-        out = buffer._reduce(vals, handle, "Buffer.combine")
-        ctx.buffer, ctx.handle, ctx.has_w = buffer, handle, w_NK is not None
-        return out[0], (out[1] if w_NK is not None else None)
-
-    @staticmethod
-    def backward(ctx, g_x_TD, g_w_TK):
-        vals = [g_x_TD]
-        if ctx.has_w:
-            vals.append(g_w_TK if g_w_TK is not None else g_x_TD.new_zeros(g_x_TD.shape[0], ctx.handle.num_topk))
-        out = ctx.buffer._send_cached(vals, ctx.handle, "Buffer.combine backward (dispatch)")
-        return None, None, out[0], (out[1] if ctx.has_w else None)
+def _padding_row(specs: list, num_x: int, K: int, device: torch.device) -> torch.Tensor:
+    """One packed row of zeros whose topk_idx columns read -1 (how static padding rows are told apart)."""
+    row = torch.zeros(wire.row_nbytes(specs), dtype=torch.uint8, device=device)
+    off = wire.row_nbytes(specs[:num_x])
+    row[off:off + 8 * K] = 255  # int64 -1 is all ones
+    return row

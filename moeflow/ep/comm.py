@@ -1,8 +1,11 @@
-"""Collectives with a timeout that names the operation, and byte accounting per call.
+"""Collectives with a timeout that names the operation, byte accounting per call, and collectives in flight.
 
 Shape legend: n rows, B bytes per row, R members of the group, C counters per member.
 
 A group of size 1 never calls torch.distributed (moeflow runs ep=1 with no process group at all).
+`all_to_all(..., async_op=True)` returns a `Pending`: the collective is in flight (on a GPU, NCCL runs it on
+its own stream; on gloo, a worker thread moves the bytes) and `finish()` waits for it and runs what was chained
+after it. Waiting on a GPU only makes the current stream wait (no host sync).
 """
 
 from __future__ import annotations
@@ -23,6 +26,37 @@ class EPStats:
     combine_bytes_intra: int = 0
     combine_bytes_inter: int = 0
     calls: int = 0
+
+
+class Pending:
+    """A value that is ready once `work` (a torch.distributed Work, or None) completes; `then` chains the next
+    step (which may start more collectives). `finish()` runs the chain once and returns its result."""
+
+    def __init__(self, value=None, work=None, comm: Comm | None = None, op: str = ""):
+        self._value, self._work, self._comm, self._op = value, work, comm, op
+        self._steps: list = []
+        self._done = work is None and not self._steps
+
+    @staticmethod
+    def ready(value) -> Pending:
+        return Pending(value)
+
+    def then(self, step) -> Pending:
+        """Apply `step(value)` after completion; if it returns a Pending, wait for that too."""
+        self._steps.append(step)
+        self._done = False
+        return self
+
+    def finish(self):
+        if not self._done:
+            if self._work is not None:
+                self._comm._wait(self._work, self._op)
+                self._work = None
+            while self._steps:
+                value = self._steps.pop(0)(self._value)
+                self._value = value.finish() if isinstance(value, Pending) else value
+            self._done = True
+        return self._value
 
 
 class Comm:
@@ -59,18 +93,22 @@ class Comm:
         self._wait(dist.all_gather(out, vec_C, group=self.group, async_op=True), op)
         return torch.stack(out)
 
-    def all_to_all(self, rows_nB: torch.Tensor, send_splits: list[int], recv_splits: list[int], op: str,
-                   kind: str | None) -> torch.Tensor:
-        """One all_to_all_single of uint8 rows; records rows * B sent to other members as `kind` bytes."""
+    def all_to_all(self, rows_nB: torch.Tensor, send_splits: list[int] | None, recv_splits: list[int] | None,
+                   op: str, kind: str | None, async_op: bool = False):
+        """One all_to_all_single of uint8 rows; records rows * B sent to other members as `kind` bytes.
+        Splits None: equal blocks (a static size: no counts needed on the host). Returns the received rows,
+        or with async_op a Pending of them."""
         if kind is not None:
-            self.record(kind, send_splits, rows_nB.shape[1])
+            splits = send_splits or [rows_nB.shape[0] // self.size] * self.size
+            self.record(kind, splits, rows_nB.shape[1])
         if self.size == 1:
-            return rows_nB
-        out = rows_nB.new_empty((sum(recv_splits), rows_nB.shape[1]))
+            return Pending.ready(rows_nB) if async_op else rows_nB
+        n_out = sum(recv_splits) if recv_splits is not None else rows_nB.shape[0]
+        out = rows_nB.new_empty((n_out, rows_nB.shape[1]))
         work = dist.all_to_all_single(out, rows_nB.contiguous(), recv_splits, send_splits,
                                       group=self.group, async_op=True)
-        self._wait(work, op)
-        return out
+        pending = Pending(out, work, self, op)
+        return pending if async_op else pending.finish()
 
     def record(self, kind: str, rows_per_member: list[int], row_bytes: int) -> None:
         """Add rows * row_bytes sent to each other member to the intra or inter counter of `kind`."""

@@ -23,8 +23,10 @@ class DispatchLayout(NamedTuple):
     is_token_in_rank: torch.Tensor  # [T, R] bool
 
 
-def check_topk_idx(topk_idx_TK: torch.Tensor, num_experts: int, setting: str = "topk_idx") -> None:
-    """ValueError unless topk_idx is a 2-D int64 tensor with values in [-1, num_experts)."""
+def check_topk_idx(topk_idx_TK: torch.Tensor, num_experts: int, setting: str = "topk_idx",
+                   check_values: bool = True) -> None:
+    """ValueError unless topk_idx is a 2-D int64 tensor with values in [-1, num_experts) (the values only with
+    check_values: reading them is a host sync)."""
     if not isinstance(topk_idx_TK, torch.Tensor):
         raise ValueError(f"{setting} must be a torch.Tensor of shape [T, K], got {type(topk_idx_TK).__name__}")
     if topk_idx_TK.dtype != torch.int64:
@@ -33,7 +35,7 @@ def check_topk_idx(topk_idx_TK: torch.Tensor, num_experts: int, setting: str = "
         raise ValueError(
             f"{setting} must be 2-D [T, K] (got shape {tuple(topk_idx_TK.shape)}); reshape to [-1, top_k]"
         )
-    if topk_idx_TK.numel():
+    if check_values and topk_idx_TK.numel():
         # host sync: reading the values is the only way to reject bad ids before a collective can hang
         lo, hi = int(topk_idx_TK.min()), int(topk_idx_TK.max())
         if lo < -1 or hi >= num_experts:
@@ -76,8 +78,11 @@ def get_dispatch_layout(
     per_node_M = None
     if num_ranks // G > 1:
         per_node_M = node_mask(mask_TR, G).sum(0, dtype=torch.int32)
-    valid = topk_idx_TK[topk_idx_TK >= 0]
-    per_expert_E = torch.bincount(valid, minlength=num_experts).to(torch.int32)
+    # -1 entries land in a last bin that is dropped; a scatter-add keeps the size static (bincount's output
+    # size depends on the largest id: a host sync on a GPU).
+    key = torch.where(topk_idx_TK >= 0, topk_idx_TK, num_experts).reshape(-1)
+    per_expert_E = torch.zeros(num_experts + 1, dtype=torch.int32, device=key.device).scatter_add_(
+        0, key, torch.ones_like(key, dtype=torch.int32))[:num_experts]
     return DispatchLayout(per_rank_R, per_node_M, per_expert_E, mask_TR)
 
 

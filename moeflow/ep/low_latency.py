@@ -29,7 +29,8 @@ class LowLatencyHandle:
     num_experts: int
     num_max_tokens: int  # Tm
     slot_TK: torch.Tensor  # send slot of each (token, k) pair, E * Tm for -1 entries (a dump slot)
-    packed_pos_Q: torch.Tensor  # packed position of each receive slot, L * R * Tm for empty ones
+    packed_pos_Q: torch.Tensor | None  # packed position of each receive slot, L * R * Tm for empty ones (None
+    # until the receive is complete)
     recv_count_L: torch.Tensor
 
 
@@ -79,29 +80,41 @@ def ll_dispatch(buffer, x_TD, topk_idx_TK, Tm: int, E: int, use_fp8: bool):
     buffer.stats.calls += 1
     # host sync: byte counters only (the collectives below need no counts on the host)
     comm.record("dispatch", count_E.view(R, L).sum(1).tolist(), B)
-    got = comm.all_to_all(send[:-1], [L * Tm] * R, [L * Tm] * R, "Buffer.low_latency_dispatch", None)
+    # Both in flight at once; the outputs below are filled when they have arrived (the receive hook).
+    got = comm.all_to_all(send[:-1], [L * Tm] * R, [L * Tm] * R, "Buffer.low_latency_dispatch", None, True)
     cnt_rows = comm.all_to_all(wire.pack([count_E.view(R, L)]), [1] * R, [1] * R,
-                               "Buffer.low_latency_dispatch (counts)", None)
-    cnt_RL = wire.unpack(cnt_rows, [(torch.int64, (L,))])[0]  # [source rank, local expert]
-
-    # Receive slot (s, l, i) holds a token iff i < cnt[s, l]; it goes to packed row off[s, l] + i of expert l.
-    off_RL = torch.cumsum(cnt_RL, 0) - cnt_RL
-    i_Q = torch.arange(Tm, device=dev).view(1, 1, Tm)
-    l_Q = torch.arange(L, device=dev).view(1, L, 1)
+                               "Buffer.low_latency_dispatch (counts)", None, True)
     full = L * R * Tm
-    packed_pos = torch.where(i_Q < cnt_RL.unsqueeze(2), l_Q * (R * Tm) + off_RL.unsqueeze(2) + i_Q,
-                             torch.full_like(i_Q, full)).reshape(-1)
-    packed = got.new_zeros((full + 1, B)).index_copy_(0, packed_pos, got)[:-1]
-    recv = [t.view(L, R * Tm, *t.shape[1:]) for t in wire.unpack(packed, specs)]
-    recv_count = cnt_RL.sum(0).to(torch.int32)
-    handle = LowLatencyHandle(buffer._id, x_TD.shape[1], E, Tm, slot_TK, packed_pos, recv_count)
+    recv = [torch.zeros((L, R * Tm, *shape), dtype=dt, device=dev) for dt, shape in specs]
+    recv_count = torch.zeros(L, dtype=torch.int32, device=dev)
+    handle = LowLatencyHandle(buffer._id, x_TD.shape[1], E, Tm, slot_TK, None, recv_count)
+
+    def arrived(got_QB):
+        cnt_RL = wire.unpack(cnt_rows.finish(), [(torch.int64, (L,))])[0]  # [source rank, local expert]
+        # Receive slot (s, l, i) holds a token iff i < cnt[s, l]; it goes to packed row off[s, l] + i of expert l.
+        off_RL = torch.cumsum(cnt_RL, 0) - cnt_RL
+        i_Q = torch.arange(Tm, device=dev).view(1, 1, Tm)
+        l_Q = torch.arange(L, device=dev).view(1, L, 1)
+        packed_pos = torch.where(i_Q < cnt_RL.unsqueeze(2), l_Q * (R * Tm) + off_RL.unsqueeze(2) + i_Q,
+                                 torch.full_like(i_Q, full)).reshape(-1)
+        packed = got_QB.new_zeros((full + 1, B)).index_copy_(0, packed_pos, got_QB)[:-1]
+        for out, value in zip(recv, wire.unpack(packed, specs)):
+            out.copy_(value.view(out.shape))
+        recv_count.copy_(cnt_RL.sum(0).to(torch.int32))
+        handle.packed_pos_Q = packed_pos
+        return got_QB
+
+    pending = got.then(arrived)
     recv_x = (recv[0], recv[1]) if use_fp8 else recv[0]
-    return recv_x, recv_count, handle
+    return recv_x, recv_count, handle, pending
 
 
-def ll_combine(buffer, x_LQD, topk_idx_TK, topk_weights_TK, handle: LowLatencyHandle):
+def ll_combine(buffer, x_LQD, topk_idx_TK, topk_weights_TK, handle: LowLatencyHandle, out=None):
     if not isinstance(handle, LowLatencyHandle) or handle.buffer_id != buffer._id:
         raise ValueError("low_latency_combine needs the handle low_latency_dispatch of this Buffer returned")
+    if handle.packed_pos_Q is None:
+        raise ValueError("low_latency_combine: the dispatch has not been received yet; call its receive hook "
+                         "(or wait on its event) first")
     comm, R = buffer.topo.main, buffer.group_size
     E, Tm, D = handle.num_experts, handle.num_max_tokens, handle.hidden
     L = E // R
@@ -116,12 +129,18 @@ def ll_combine(buffer, x_LQD, topk_idx_TK, topk_weights_TK, handle: LowLatencyHa
     # host sync: byte counters only
     comm.record("combine", cnt_RL.sum(1).tolist(), D * x_LQD.element_size())
     rows = wire.pack([send])
-    got = comm.all_to_all(rows, [L * Tm] * R, [L * Tm] * R, "Buffer.low_latency_combine", None)
-    y = torch.cat([wire.unpack(got, [(x_LQD.dtype, (D,))])[0], x_LQD.new_zeros(1, D)])
+    got = comm.all_to_all(rows, [L * Tm] * R, [L * Tm] * R, "Buffer.low_latency_combine", None, True)
     T, K = handle.slot_TK.shape
-    y_TKD = y[handle.slot_TK.reshape(-1)].view(T, K, D).float()
-    w_TK = topk_weights_TK.float().masked_fill(handle.slot_TK == E * Tm, 0.0)
-    out = torch.zeros(T, D, dtype=torch.float32, device=x_LQD.device)
-    for k in range(K):  # k ascending, as moeflow.ep.reference
-        out += w_TK[:, k:k + 1] * y_TKD[:, k]
-    return out.to(x_LQD.dtype)
+    result = out if out is not None else x_LQD.new_empty(T, D)
+
+    def arrived(got_QB):
+        y = torch.cat([wire.unpack(got_QB, [(x_LQD.dtype, (D,))])[0], x_LQD.new_zeros(1, D)])
+        y_TKD = y[handle.slot_TK.reshape(-1)].view(T, K, D).float()
+        w_TK = topk_weights_TK.float().masked_fill(handle.slot_TK == E * Tm, 0.0)
+        acc = torch.zeros(T, D, dtype=torch.float32, device=x_LQD.device)
+        for k in range(K):  # k ascending, as moeflow.ep.reference
+            acc += w_TK[:, k:k + 1] * y_TKD[:, k]
+        result.copy_(acc)
+        return got_QB
+
+    return result, got.then(arrived)

@@ -107,7 +107,7 @@ class Router(nn.Module):
         capacity = math.ceil(self.cfg.capacity_factor * T * K / E)
         flat = topk_idx_TK.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (t, k) order is kept inside each expert
-        counts_E = torch.bincount(flat, minlength=E)
+        counts_E = count_keys(flat, E)
         starts_E = torch.cumsum(counts_E, 0) - counts_E
         pos_sorted = torch.arange(flat.numel(), device=flat.device) - starts_E[flat[order]]
         pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
@@ -129,7 +129,7 @@ class Router(nn.Module):
             weights_TK = weights_TK.masked_fill(topk_idx_TK < 0, 0.0)
 
         valid = topk_idx_TK >= 0
-        tokens_per_expert_E = torch.bincount(topk_idx_TK[valid], minlength=cfg.num_experts)
+        tokens_per_expert_E = expert_counts(topk_idx_TK, cfg.num_experts)
         aux_loss = self.balance_losses(logits_TE, scores_TE, topk_idx_TK)
         if aux_loss.requires_grad and torch.is_grad_enabled():
             weights_TK = _AttachAuxLoss.apply(weights_TK, aux_loss, self.aux_loss_scale)
@@ -148,8 +148,7 @@ class Router(nn.Module):
         total = logits_TE.new_zeros(())
         if cfg.aux_loss_coef > 0:
             T, K = topk_idx_TK.shape
-            valid = topk_idx_TK >= 0
-            f_E = torch.bincount(topk_idx_TK[valid], minlength=cfg.num_experts).float() / (T * K)
+            f_E = expert_counts(topk_idx_TK, cfg.num_experts).float() / (T * K)
             probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
             total = total + cfg.aux_loss_coef * cfg.num_experts * (f_E * probs_TE.mean(0)).sum()
         if cfg.z_loss_coef > 0:
@@ -161,6 +160,20 @@ class Router(nn.Module):
         """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
         if self.cfg.load_balance == "aux_free":
             self.expert_bias += self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E)
+
+
+def count_keys(key_N: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """[num_bins] int64 occurrences of each key in [0, num_bins). A scatter-add, not torch.bincount, whose
+    output size depends on the largest key: reading it is a host sync on a GPU."""
+    return torch.zeros(num_bins, dtype=torch.int64, device=key_N.device).scatter_add_(
+        0, key_N, torch.ones_like(key_N))
+
+
+def expert_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 valid entries per expert; -1 entries go to a last bin that is dropped (no boolean indexing,
+    which would read the mask back to the host)."""
+    key = torch.where(topk_idx_TK >= 0, topk_idx_TK, num_experts).reshape(-1)
+    return count_keys(key, num_experts + 1)[:num_experts]
 
 
 def permute_by_expert(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,11 +199,28 @@ class Dispatched:
     weight_N: torch.Tensor  # its routing weight (float32)
     num_rows: int  # rows of the tensor the expert rows are summed back into
     handle: object = None  # the token mover's own state (an EP handle), if any
+    valid_N: torch.Tensor | None = None  # static sizes: which rows are real pairs (the rest sort last)
+
+    def arrive(self) -> Dispatched:
+        return self
 
 
 def sort_by_expert(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                   num_experts: int) -> Dispatched:
-    """Gather one row per valid (row, expert) pair, grouped by expert (-1 pairs are skipped)."""
+                   num_experts: int, static: bool = False) -> Dispatched:
+    """Gather one row per valid (row, expert) pair, grouped by expert (-1 pairs are skipped).
+
+    static: keep all T*K pairs, the -1 ones last (masked to zero), so no size is read back to the host; the
+    experts' grouped matmul covers only the pairs its offsets count."""
+    if static:
+        K = topk_idx_TK.shape[1]
+        key_N = torch.where(topk_idx_TK >= 0, topk_idx_TK, num_experts).reshape(-1)
+        order_N = torch.argsort(key_N, stable=True)
+        counts_E = count_keys(key_N, num_experts + 1)[:num_experts]
+        valid_N = key_N.index_select(0, order_N) < num_experts
+        row_N = order_N // K
+        x_ND = torch.where(valid_N.unsqueeze(-1), x_TD.index_select(0, row_N), 0.0)
+        weight_N = topk_weights_TK.reshape(-1).index_select(0, order_N)
+        return Dispatched(x_ND, counts_E, row_N, weight_N, x_TD.shape[0], valid_N=valid_N)
     order_N, counts_E = permute_by_expert(topk_idx_TK, num_experts)
     row_N = order_N // topk_idx_TK.shape[1]
     # index_select, not x_TD[row_N]: its backward is an index_add, where advanced indexing's is an
@@ -201,21 +231,30 @@ def sort_by_expert(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_T
 
 def weighted_sum_back(y_ND: torch.Tensor, d: Dispatched, like_TD: torch.Tensor) -> torch.Tensor:
     """out[t] = sum over t's expert rows of weight * y, shaped and typed like `like_TD`."""
+    if d.valid_N is not None:  # rows past the last group hold whatever the matmul left there
+        y_ND = torch.where(d.valid_N.unsqueeze(-1), y_ND, 0.0)
     y_ND = y_ND * d.weight_N.unsqueeze(-1).to(y_ND.dtype)
     return like_TD.new_zeros(d.num_rows, like_TD.shape[-1]).index_add_(0, d.row_N, y_ND.to(like_TD.dtype))
 
 
 class LocalDispatcher:
-    """Every expert lives in this process: dispatch sorts the token copies by expert, combine sums them back."""
+    """Every expert lives in this process: dispatch sorts the token copies by expert, combine sums them back.
+    One chunk, and nothing is ever in flight."""
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
+
+    def chunks(self, num_tokens: int) -> list[slice]:
+        return [slice(0, num_tokens)]
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> Dispatched:
         return sort_by_expert(x_TD, topk_idx_TK, topk_weights_TK, self.num_experts)
 
     def combine(self, y_ND: torch.Tensor, d: Dispatched, x_TD: torch.Tensor) -> torch.Tensor:
         return weighted_sum_back(y_ND, d, x_TD)
+
+    def gather(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _swiglu(h1, h3):
@@ -307,9 +346,22 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
         routed = self.router(x_TD)
-        tokens = self.dispatcher.dispatch(x_TD, routed.topk_idx, routed.topk_weights)
-        y_ND = self.experts(tokens.x_ND, tokens.counts_E)
-        out_TD = self.dispatcher.combine(y_ND, tokens, x_TD)
-        if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
+        # route -> dispatch -> experts -> combine, per chunk of tokens. In one process there is one chunk and
+        # every call completes at once. An expert-parallel dispatcher may split the tokens in several and keep
+        # communication in flight: chunk i+1's dispatch and chunk i-1's combine travel while chunk i's experts
+        # compute, and the first dispatch while the shared experts compute.
+        chunks = self.dispatcher.chunks(x_TD.shape[0])
+        send = lambda rows: self.dispatcher.dispatch(x_TD[rows], routed.topk_idx[rows], routed.topk_weights[rows])
+        in_flight = send(chunks[0])
+        shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None
+        outs = []
+        for i, rows in enumerate(chunks):
+            nxt = send(chunks[i + 1]) if i + 1 < len(chunks) else None
+            tokens = in_flight.arrive()
+            y_ND = self.experts(tokens.x_ND, tokens.counts_E)
+            outs.append(self.dispatcher.combine(y_ND, tokens, x_TD[rows]))
+            in_flight = nxt
+        out_TD = self.dispatcher.gather(outs)
+        if shared_TD is not None:
+            out_TD = out_TD + shared_TD
         return out_TD.view_as(x)

@@ -23,27 +23,75 @@ from moeflow.models.moe import Dispatched, GroupedExperts, MoE, sort_by_expert, 
 class ExpertParallelDispatcher:
     """dispatch: send each token once to every rank owning one of its experts (Buffer.dispatch), then sort the
     received rows by local expert; combine: sum each received row's weighted expert outputs, then send the
-    rows back and sum a token's copies (Buffer.combine)."""
+    rows back and sum a token's copies (Buffer.combine).
 
-    def __init__(self, buffer: Buffer, num_experts: int):
+    chunks: the layer's tokens travel in this many chunks, so that one chunk's communication is in flight while
+    another's experts compute (MoE.forward's loop). overlap: start each dispatch / combine asynchronously and
+    wait as late as the loop allows, in forward and in backward (moeflow/ep/autograd.py); off, the same
+    operations run in the same order, synchronously, with equal results bit for bit. num_worst_tokens: 0 for
+    exact receive sizes (one host sync per dispatch, for the counts), -1 for the static size that never drops
+    a token (ranks x tokens per chunk; every rank must send the same number of tokens, as training's fixed
+    micro-batch shapes do), or a number of rows (copies beyond a peer's share are dropped and counted in
+    Buffer.static_overflow). With a static size nothing in the layer reads a value back to the host.
+    """
+
+    def __init__(self, buffer: Buffer, num_experts: int, chunks: int = 1, overlap: bool = True,
+                 num_worst_tokens: int = 0):
         self.buffer, self.num_experts = buffer, num_experts
         self.num_local_experts = num_experts // buffer.group_size
+        self.num_chunks, self.overlap, self.num_worst_tokens = chunks, overlap, num_worst_tokens
 
-    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> Dispatched:
-        # DeepEP's call sequence (its README): the layout first, then dispatch with every layout tensor, so the
-        # same code drives moeflow's backends and deep_ep / uccl.
-        per_rank, per_node, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx_TK, self.num_experts)
-        recv_x_ND, recv_idx_NK, recv_w_NK, _, handle, _ = self.buffer.dispatch(
-            x_TD, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx_TK, topk_weights=topk_weights_TK)
-        local = sort_by_expert(recv_x_ND, recv_idx_NK, recv_w_NK, self.num_local_experts)
-        local.handle = handle
-        return local
+    def chunks(self, num_tokens: int) -> list[slice]:
+        n = self.num_chunks
+        bounds = [num_tokens * i // n for i in range(n + 1)]
+        return [slice(bounds[i], bounds[i + 1]) for i in range(n)]
 
-    def combine(self, y_PD: torch.Tensor, d: Dispatched, x_TD: torch.Tensor) -> torch.Tensor:
+    def _rows(self, num_tokens: int) -> int:
+        W = self.num_worst_tokens
+        return self.buffer.group_size * max(num_tokens, 1) if W == -1 else W
+
+    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor):
+        W = self._rows(x_TD.shape[0])
+        if W and self.buffer.backend_name != "deep_ep":
+            # Static sizes: the layout tensors are computed inside dispatch, without checking the ids' values
+            # (get_dispatch_layout reads them back to the host to refuse bad ids).
+            layout = {"num_experts": self.num_experts}
+        else:
+            # DeepEP's call sequence (its README): the layout first, then dispatch with every layout tensor, so
+            # the same code drives moeflow's backends and deep_ep / uccl.
+            per_rank, per_node, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx_TK,
+                                                                                          self.num_experts)
+            layout = {"num_tokens_per_rank": per_rank, "num_tokens_per_rdma_rank": per_node,
+                      "is_token_in_rank": in_rank, "num_tokens_per_expert": per_expert}
+        recv_x_ND, recv_idx_NK, recv_w_NK, _, handle, event = self.buffer.dispatch(
+            x_TD, topk_idx=topk_idx_TK, topk_weights=topk_weights_TK, num_worst_tokens=W,
+            async_finish=self.overlap, **layout)
+        return _Arriving(self, event, recv_x_ND, recv_idx_NK, recv_w_NK, handle, static=bool(W))
+
+    def combine(self, y_PD: torch.Tensor, d: Dispatched, x_TD: torch.Tensor):
         out_ND = weighted_sum_back(y_PD, d, x_TD)
-        out_TD, _, _ = self.buffer.combine(out_ND, d.handle)
-        return out_TD
+        out_TD, _, event = self.buffer.combine(out_ND, d.handle, async_finish=self.overlap)
+        return out_TD, event
+
+    def gather(self, outs: list) -> torch.Tensor:
+        arrived = [event.wait(out_TD)[0] for out_TD, event in outs]
+        return arrived[0] if len(arrived) == 1 else torch.cat(arrived)
+
+
+class _Arriving:
+    """A dispatch in flight; arrive() waits for it and sorts the received rows by local expert."""
+
+    def __init__(self, dispatcher: ExpertParallelDispatcher, event, recv_x_ND, recv_idx_NK, recv_w_NK, handle,
+                 static: bool):
+        self.dispatcher, self.event, self.handle, self.static = dispatcher, event, handle, static
+        self.recv = (recv_x_ND, recv_idx_NK, recv_w_NK)
+
+    def arrive(self) -> Dispatched:
+        recv_x_ND, recv_idx_NK, recv_w_NK = self.recv
+        recv_x_ND, recv_w_NK = self.event.wait(recv_x_ND, recv_w_NK)
+        local = sort_by_expert(recv_x_ND, recv_idx_NK, recv_w_NK, self.dispatcher.num_local_experts, self.static)
+        local.handle = self.handle
+        return local
 
 
 def local_experts(full: GroupedExperts, rank: int, num_ranks: int) -> GroupedExperts:
@@ -59,9 +107,11 @@ def local_experts(full: GroupedExperts, rank: int, num_ranks: int) -> GroupedExp
 
 
 def apply_expert_parallel(module: nn.Module, group=None, backend: str = "auto",
-                          ranks_per_node: int | None = None, timeout_s: float = 300.0) -> int:
+                          ranks_per_node: int | None = None, timeout_s: float = 300.0, chunks: int = 1,
+                          overlap: bool = True, num_worst_tokens: int = 0) -> int:
     """Every moeflow MoE inside `module` (or `module` itself) keeps its EP rank's experts and moves tokens over
-    `group` (default: the whole world). Returns how many MoE layers were converted."""
+    `group` (default: the whole world); chunks / overlap / num_worst_tokens as ExpertParallelDispatcher's.
+    Returns how many MoE layers were converted."""
     count = 0
     for moe in [m for m in module.modules() if isinstance(m, MoE)]:
         if isinstance(moe.dispatcher, ExpertParallelDispatcher):
@@ -69,7 +119,7 @@ def apply_expert_parallel(module: nn.Module, group=None, backend: str = "auto",
         buffer = Buffer(group, backend=backend, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
         buffer.check_num_experts(moe.num_experts)
         moe.experts = local_experts(moe.experts, buffer.rank, buffer.group_size)
-        moe.dispatcher = ExpertParallelDispatcher(buffer, moe.num_experts)
+        moe.dispatcher = ExpertParallelDispatcher(buffer, moe.num_experts, chunks, overlap, num_worst_tokens)
         count += 1
     return count
 

@@ -28,9 +28,11 @@ def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: Para
             if not isinstance(moe.dispatcher, ExpertParallelDispatcher):
                 continue  # experts without EP are sharded with their block
             experts = moe.experts
-            if device_type == "cpu" and (dims.efsdp > 1 or dims.dp_replicate > 1):
+            if (device_type == "cpu" and (dims.efsdp > 1 or dims.dp_replicate > 1)
+                    or moe.dispatcher.num_chunks > 1):
                 # gloo collectives block, so every rank must issue them in the same order: reduce the experts
-                # after backward instead of mid-backward (see DeferredSyncExperts).
+                # after backward instead of mid-backward (see DeferredSyncExperts). Chunked layers call the
+                # experts once per chunk: one reduction after backward rather than one per call.
                 experts.__class__ = DeferredSyncExperts
             fully_shard(experts, mesh=expert_mesh, shard_placement_fn=balanced_shard(expert_mesh.size()), **fsdp)
             # FSDP averages over the expert mesh (dp / ep ranks), but each expert's gradient sums the tokens of

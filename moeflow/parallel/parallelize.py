@@ -47,6 +47,9 @@ def parallelize(
     mixed_precision: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
     ep_backend: str = "auto",
+    ep_overlap: bool = True,
+    ep_chunks: int = 1,
+    ep_num_worst_tokens: int = 0,
     tp_plan: dict | None = None,
     pp_boundaries: list | None = None,
     loss_fn=None,
@@ -61,10 +64,12 @@ def parallelize(
     pp = world size (dp_shard=-1: the rest), ep (borrowed from dp_shard), zero (1: replicated weights and sharded
     AdamW state; 2: FSDP2, weights kept gathered from forward to backward; 3: FSDP2) and pp_schedule (GPipe, 1F1B,
     Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV).
-    microbatches: forwards per step (pipeline micro-batches, or gradient accumulation). tp_plan: {module-name
-    pattern: ParallelStyle}, default moeflow.parallel.tensor.tp_plan(model). pp_boundaries: the first layer of
-    each stage (default: an even split). pp_microbatch_shape: (rows, seq, logits dtype) of one micro-batch, to
-    skip torch's shape inference. loss_fn(logits, targets) -> mean loss (default: moeflow.parallel.loss.tp_loss).
+    microbatches: forwards per step (pipeline micro-batches, or gradient accumulation). ep_overlap, ep_chunks,
+    ep_num_worst_tokens: how the MoE layers move tokens (moeflow.parallel.expert.ExpertParallelDispatcher).
+    tp_plan: {module-name pattern: ParallelStyle}, default moeflow.parallel.tensor.tp_plan(model).
+    pp_boundaries: the first layer of each stage (default: an even split). pp_microbatch_shape: (rows, seq,
+    logits dtype) of one micro-batch, to skip torch's shape inference. loss_fn(logits, targets) -> mean loss
+    (default: moeflow.parallel.loss.tp_loss).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     if dims is None:
@@ -107,7 +112,8 @@ def parallelize(
     if dims.ep > 1:
         from moeflow.parallel.expert import apply_expert_parallel
 
-        apply_expert_parallel(model, submesh(mesh, "ep").get_group(), backend=ep_backend)
+        apply_expert_parallel(model, submesh(mesh, "ep").get_group(), backend=ep_backend, chunks=ep_chunks,
+                              overlap=ep_overlap, num_worst_tokens=ep_num_worst_tokens)
     if dims.tp > 1:
         from moeflow.parallel.tensor import apply_tensor_parallel
 

@@ -59,8 +59,10 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
         model.init_weights(seed=t.seed)  # identical on every rank before sharding
         model.to(device)
     bf16 = t.dtype == "bf16"
+    p = cfg.parallel
     par = parallelize(model, dims, microbatches=batch.microbatches,
-                      activation_checkpointing=t.activation_checkpointing, ep_backend=cfg.parallel.ep_backend,
+                      activation_checkpointing=t.activation_checkpointing, ep_backend=p.ep_backend,
+                      ep_overlap=p.ep_overlap, ep_chunks=p.ep_overlap_chunks, ep_num_worst_tokens=p.ep_num_worst_tokens,
                       autocast_dtype=torch.bfloat16 if bf16 else None, loss_fn=tp_loss, compile=t.compile,
                       pp_microbatch_shape=(batch.micro_batch, cfg.data.seq_len,
                                            torch.bfloat16 if bf16 else torch.float32),

@@ -2,6 +2,7 @@
 
 Shape legend: T tokens, R ranks, N received rows, S sent rows, B bytes per row, C float columns.
 Received rows are ordered by source rank, then by token index at the source (DeepEP's order).
+Every method takes async_op: then the result comes back as a moeflow.ep.comm.Pending.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class AlltoallBackend:
     def __init__(self, topo: Topology):
         self.topo = topo
 
-    def dispatch(self, rows_TB: torch.Tensor, route: Route, op: str):
+    def dispatch(self, rows_TB: torch.Tensor, route: Route, op: str, async_op: bool = False):
         topo, cnt = self.topo, route.counts
         me, R = topo.rank, topo.num_ranks
         # (r, t) pairs in row-major order: grouped by destination rank, tokens ascending.
@@ -38,22 +39,27 @@ class AlltoallBackend:
         send = [cnt.to_rank(me, r) for r in range(R)]
         recv = [cnt.to_rank(s, me) for s in range(R)]
         plan = AlltoallPlan(send_idx_S, send, recv, rows_TB.shape[0], sum(recv))
-        return self.dispatch_cached(rows_TB, plan, op), plan
+        got = self.dispatch_cached(rows_TB, plan, op, async_op)
+        return got.then(lambda recv: (recv, plan)) if async_op else (got, plan)
 
-    def dispatch_cached(self, rows_TB: torch.Tensor, plan: AlltoallPlan, op: str) -> torch.Tensor:
+    def dispatch_cached(self, rows_TB: torch.Tensor, plan: AlltoallPlan, op: str, async_op: bool = False):
         rows_SB = rows_TB.index_select(0, plan.send_idx_S)
         return self.topo.main.all_to_all(rows_SB, plan.send_splits, plan.recv_splits, f"{op} (all_to_all)",
-                                         "dispatch")
+                                         "dispatch", async_op)
 
-    def combine(self, vals: list[torch.Tensor], plan: AlltoallPlan, op: str) -> torch.Tensor:
+    def combine(self, vals: list[torch.Tensor], plan: AlltoallPlan, op: str, async_op: bool = False):
         specs = [wire.spec_of(v) for v in vals]
         back = self.topo.main.all_to_all(
-            wire.pack(vals), plan.recv_splits, plan.send_splits, f"{op} (all_to_all)", "combine"
+            wire.pack(vals), plan.recv_splits, plan.send_splits, f"{op} (all_to_all)", "combine", async_op
         )
-        back_SC = wire.unpack_f32(back, specs)
-        blocks = [
-            (plan.send_idx_S[o:o + n], back_SC[o:o + n])
-            for o, n in zip(offsets(plan.send_splits), plan.send_splits)
-        ]
-        return reduce_blocks_by_node(blocks, plan.num_tokens, back_SC.shape[1], self.topo.ranks_per_node,
-                                     back_SC.device)
+
+        def reduce(back):
+            back_SC = wire.unpack_f32(back, specs)
+            blocks = [
+                (plan.send_idx_S[o:o + n], back_SC[o:o + n])
+                for o, n in zip(offsets(plan.send_splits), plan.send_splits)
+            ]
+            return reduce_blocks_by_node(blocks, plan.num_tokens, back_SC.shape[1], self.topo.ranks_per_node,
+                                         back_SC.device)
+
+        return back.then(reduce) if async_op else reduce(back)
