@@ -74,9 +74,10 @@ def combine(ys: list[torch.Tensor], topk_idx_per_rank: list[torch.Tensor], num_e
         outs = []
         for s, idx in enumerate(topk_idx_per_rank):
             T, C = idx.shape[0], vals[0].shape[1]
-            out = torch.zeros(T, C, dtype=torch.float32)
+            dev = vals[0].device
+            out = torch.zeros(T, C, dtype=torch.float32, device=dev)
             for first in range(0, R, ranks_per_node):
-                partial = torch.zeros(T, C, dtype=torch.float32)
+                partial = torch.zeros(T, C, dtype=torch.float32, device=dev)
                 for r in range(first, first + ranks_per_node):
                     src, tok = recv[r]
                     rows = (src == s).nonzero()[:, 0]
@@ -97,7 +98,7 @@ def low_latency_dispatch(xs: list[torch.Tensor], topk_idx_per_rank: list[torch.T
     out = []
     for r in range(R):
         recv = xs[0].new_zeros(L, R * num_max_tokens, D)
-        counts = torch.zeros(L, dtype=torch.int32)
+        counts = torch.zeros(L, dtype=torch.int32, device=xs[0].device)
         for l_ in range(L):
             e = r * L + l_
             rows = [xs[s][(idx == e).any(dim=1)] for s, idx in enumerate(topk_idx_per_rank)]
@@ -117,9 +118,9 @@ def low_latency_combine(ys: list[torch.Tensor], topk_idx_per_rank: list[torch.Te
     for s, idx in enumerate(topk_idx_per_rank):
         T, K = idx.shape
         D = ys[0].shape[2]
-        out = torch.zeros(T, D, dtype=torch.float32)
+        out = torch.zeros(T, D, dtype=torch.float32, device=ys[0].device)
         for k in range(K):
-            y_TD = torch.zeros(T, D, dtype=torch.float32)
+            y_TD = torch.zeros(T, D, dtype=torch.float32, device=ys[0].device)
             for t in range(T):
                 e = int(idx[t, k])
                 if e < 0:

@@ -20,7 +20,7 @@ def spec_of(t: torch.Tensor) -> Spec:
 
 
 def row_nbytes(specs: list[Spec]) -> int:
-    return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for dt, shape in specs)
+    return sum(math.prod(shape) * dt.itemsize for dt, shape in specs)
 
 
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -41,7 +41,7 @@ def unpack(rows_nB: torch.Tensor, specs: list[Spec]) -> list[torch.Tensor]:
     """Inverse of pack: uint8 [n, B] -> tensors with the given (dtype, trailing shape)."""
     n, out, off = rows_nB.shape[0], [], 0
     for dt, shape in specs:
-        width = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        width = math.prod(shape) * dt.itemsize
         out.append(column(rows_nB, off, width, dt).contiguous().reshape(n, *shape))
         off += width
     return out
@@ -49,7 +49,7 @@ def unpack(rows_nB: torch.Tensor, specs: list[Spec]) -> list[torch.Tensor]:
 
 def column(rows_nB: torch.Tensor, offset: int, width: int, dtype: torch.dtype) -> torch.Tensor:
     """Bytes [offset, offset + width) of every row, reinterpreted as dtype: [n, width // itemsize]."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     n, B = rows_nB.shape
     col = rows_nB[:, offset:offset + width]
     if n > 1 and B % itemsize == 0 and (col.storage_offset() % itemsize) == 0:
@@ -66,7 +66,7 @@ def unpack_f32(rows_nB: torch.Tensor, specs: list[Spec]) -> torch.Tensor:
     out = torch.empty(n, sum(widths), dtype=torch.float32, device=rows_nB.device)
     off_b = off_c = 0
     for (dt, _), w in zip(specs, widths):
-        nbytes = w * torch.empty((), dtype=dt).element_size()
+        nbytes = w * dt.itemsize
         out[:, off_c:off_c + w].copy_(column(rows_nB, off_b, nbytes, dt))
         off_b, off_c = off_b + nbytes, off_c + w
     return out

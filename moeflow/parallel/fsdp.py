@@ -16,8 +16,8 @@ from moeflow.parallel.expert import DeferredSyncExperts, ExpertParallelDispatche
 from moeflow.parallel.mesh import submesh
 
 
-def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: ParallelDims, mesh, mixed_precision,
-               device_type: str) -> None:
+def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: ParallelDims, mesh,
+               mixed_precision) -> None:
     fsdp = {"reshard_after_forward": dims.zero == 3}
     if mixed_precision is not None:
         fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
@@ -28,19 +28,22 @@ def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: Para
             if not isinstance(moe.dispatcher, ExpertParallelDispatcher):
                 continue  # experts without EP are sharded with their block
             experts = moe.experts
-            if (device_type == "cpu" and (dims.efsdp > 1 or dims.dp_replicate > 1)
-                    or moe.dispatcher.num_chunks > 1):
-                # gloo collectives block, so every rank must issue them in the same order: reduce the experts
-                # after backward instead of mid-backward (see DeferredSyncExperts). Chunked layers call the
+            if dims.efsdp > 1 or dims.dp_replicate > 1 or moe.dispatcher.num_chunks > 1:
+                # Reduce the experts after backward, at the same point on every rank, instead of mid-backward
+                # (see DeferredSyncExperts): FSDP's expert reduce-scatter / replica all-reduce and EP's all-to-alls
+                # run on different groups, and ranks that issue them in different orders deadlock (seen on gloo,
+                # whose collectives block; NCCL kernels of different communicators wait on each other the same
+                # way). On every device, so the path the tests run is the one GPUs run. Chunked layers call the
                 # experts once per chunk: one reduction after backward rather than one per call.
                 experts.__class__ = DeferredSyncExperts
             fully_shard(experts, mesh=expert_mesh, shard_placement_fn=balanced_shard(expert_mesh.size()), **fsdp)
             # FSDP averages over the expert mesh (dp / ep ranks), but each expert's gradient sums the tokens of
             # all dp ranks (they arrive through the EP group): divide by dp instead.
             experts.set_gradient_divide_factor(float(dims.dp))
-            if device_type == "cpu" and dims.efsdp > 1:
-                # gloo has no PREMUL_SUM: sum, then divide locally. Not when the reduce-scatter group has one
-                # rank: torch 2.13 then divides in its local copy and again after (found by tests/test_layouts.py:
+            if dims.efsdp > 1:
+                # Sum, then divide locally (gloo has no PREMUL_SUM; on NCCL the same result in fp32), on every
+                # device so the tested path is the one GPUs run. Not when the reduce-scatter group has one rank:
+                # torch 2.13 then divides in its local copy and again after (found by tests/test_layouts.py:
                 # expert gradients came out 1/dp of the right ones).
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=balanced_shard(dp_mesh.size()), **fsdp)

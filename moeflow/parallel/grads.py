@@ -73,7 +73,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, state: ParallelState | No
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     if not distributed:
-        sq = torch.stack([g.float().pow(2).sum() for g in local]).sum() if local else torch.zeros(())
+        device = next(model.parameters()).device
+        sq = torch.stack([g.float().pow(2).sum() for g in local]).sum() if local else torch.zeros((), device=device)
     norm = sq.sqrt()
     if max_norm < float("inf"):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -122,7 +122,7 @@ def parallelize(
             apply_tensor_parallel(stage, state.tp_mesh, plan=tp_plan)
     apply_activation_checkpointing(blocks(model), activation_checkpointing)
     _compile_blocks(model, compile)
-    apply_fsdp(blocks(model), stages, dims, mesh, mixed_precision, device_type)
+    apply_fsdp(blocks(model), stages, dims, mesh, mixed_precision)
     if dims.pp > 1:
         from moeflow.parallel.pipeline import build_schedule
 

@@ -65,11 +65,12 @@ def load_state(path: Path, parts: list, optimizer, fix: str, model_only: bool = 
     missing = sorted(set(flat) - saved)
     # Ranks own different keys (pipeline stages, EP ranks): decide together, so none waits in dcp.load for a
     # peer that has already raised.
-    count = torch.tensor([len(missing)])
     if torch.distributed.is_initialized():
-        if torch.distributed.get_backend() == "nccl":
-            count = count.cuda()
+        nccl = torch.distributed.get_backend() == "nccl"  # NCCL reduces device tensors only
+        count = torch.tensor([len(missing)], device="cuda" if nccl else "cpu")
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    else:
+        count = torch.tensor([len(missing)], device="cpu")
     if int(count):
         shown = f" (first: {missing[:3]})" if missing else " (on another rank)"
         raise ValueError(f"checkpoint {path} lacks tensors this model needs{shown}; {fix}")
