@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# GPU smoke test: one line per check, non-zero exit if any fails, under 8 minutes on one GPU.
+#   bash bench/gpu_smoke.sh                 # on a machine with CUDA (uses .venv when present)
+# On a machine without CUDA it prints "no CUDA device: skipped" and exits 0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[[ -x $PY ]] || PY=python3
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "no CUDA device: skipped"
+  exit 0
+fi
+exec "$PY" bench/gpu_smoke.py "$@"
