@@ -129,12 +129,13 @@ def plan(job: Job, cons: Constraints | None = None, top: int = 5, infeasible: in
 
 def format_table(out: dict) -> str:
     j = out["job"]
+    sw = max([8] + [len(r["schedule"]) for r in out["layouts"]])  # the schedule column's width
     lines = [
         f"{j['model']} ({j['params'] / 1e9:.1f}B total, {j['active_params'] / 1e9:.1f}B active) on "
         f"{j['nodes']}x{j['gpus_per_node']} {j['gpu']}, seq {j['seq_len']}, {j['global_batch_tokens']} tokens/step, "
         f"{j['precision']}; {out['searched']} layouts searched, {out['feasible']} fit",
         "",
-        f"{'#':>3} {'dp_rep':>6} {'dp_sh':>5} {'tp':>3} {'pp':>3} {'schedule':>22} {'ep':>4} {'zero':>4} {'mb':>3} "
+        f"{'#':>3} {'dp_rep':>6} {'dp_sh':>5} {'tp':>3} {'pp':>3} {'schedule':>{sw}} {'ep':>4} {'zero':>4} {'mb':>3} "
         f"{'ac':>5} {'mem GB':>7} {'(p/g/o/act)':>22} {'tok/s/GPU':>10} {'MFU':>5} {'step s':>7} {'bubble':>6}",
     ]
     for i, r in enumerate(out["layouts"]):
@@ -142,7 +143,7 @@ def format_table(out: dict) -> str:
         parts = f"{m['params']:.1f}/{m['grads']:.1f}/{m['optimizer']:.1f}/{m['activations']:.1f}"
         mark = f"{i + 1:>3}" if r["feasible"] else "  x"
         lines.append(
-            f"{mark} {r['dp_replicate']:>6} {r['dp_shard']:>5} {r['tp']:>3} {r['pp']:>3} {r['schedule']:>22} "
+            f"{mark} {r['dp_replicate']:>6} {r['dp_shard']:>5} {r['tp']:>3} {r['pp']:>3} {r['schedule']:>{sw}} "
             f"{r['ep']:>4} {r['zero']:>4} {r['micro_batch']:>3} {r['activation_checkpointing']:>5} {m['total']:>7.1f} "
             f"{parts:>22} {r['tokens_per_s_per_gpu']:>10.0f} {r['mfu']:>5.1%} {t.get('step_s', 0):>7.2f} "
             f"{t.get('bubble_fraction', 0):>6.1%}"

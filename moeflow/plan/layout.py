@@ -90,6 +90,9 @@ class Job:
                     f"{self.world // max_split * self.seq_len} or use fewer --nodes"
                 )
         self.gpu.peak_flops(self.precision)  # raises for fp8 on a part without fp8
+        if self.gpu.hbm_gbps <= 0:
+            raise ValueError(f"GPU {self.gpu.name!r} has no memory bandwidth (hbm_gbps = {self.gpu.hbm_gbps}); the "
+                             f"time model needs it: give the GPU entry its HBM GB/s")
         return self
 
 

@@ -54,7 +54,8 @@ def rates(job: Job) -> Rates:
 
 def _layer_costs(job: Job, lay: Layout) -> tuple[FBW, FBW, FBW]:
     """(dense layer, MoE layer, output head) compute for one micro-batch, cached per job."""
-    key = ("cost", lay.micro_batch, lay.tp, lay.ep, lay.activation_checkpointing)
+    key = ("cost", lay.micro_batch, lay.tp, lay.ep, lay.activation_checkpointing, job.precision,
+           job.kernel_efficiency, job.flash_attention)
     cache = job.stats.cache
     if key not in cache:
         cfg, r, s, b, t = job.model, rates(job), job.seq_len, lay.micro_batch, lay.tp
@@ -71,7 +72,7 @@ def _ep_layer_seconds(job: Job, lay: Layout, links: Links) -> float:
     cfg = job.model
     if not cfg.is_moe or lay.ep == 1:
         return 0.0
-    key = ("ep", lay.micro_batch, lay.tp, lay.ep)
+    key = ("ep", lay.micro_batch, lay.tp, lay.ep, job.precision, job.intra, job.inter)
     cache = job.stats.cache
     if key not in cache:
         rpn = max(1, min(lay.ep, job.gpus_per_node // lay.tp))
