@@ -21,6 +21,7 @@ moeflow.plan.schedule.in_flight. Under flash attention (Job.flash_attention) "no
 from __future__ import annotations
 
 from moeflow.hardware import RESERVED_GB
+from moeflow.layout.schedules import SCHEDULES
 from moeflow.models.config import ModelConfig
 from moeflow.plan.layout import Job, Layout
 from moeflow.plan.schedule import in_flight as schedule_in_flight
@@ -102,8 +103,9 @@ def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
     act_by_width = {w: layer_activation_bytes(cfg, w, job.seq_len, lay.micro_batch, lay.tp, ac)
                     for w in set(st.mlp_width)}
     best: dict[str, float] = {}
+    v_shape = lay.pp > 1 and SCHEDULES[lay.pp_schedule].placement == "v"  # rank 0 holds the first and last stage
     for i, layers in enumerate(stage_layers(cfg.n_layers, lay.pp)):
-        first, last = i == 0, i == lay.pp - 1
+        first, last = i == 0, (i == 0 if v_shape else i == lay.pp - 1)
         dense, expert = stage_params(job, layers, first, last)
         parts = model_state_bytes(dense, expert, lay)
         in_flight = schedule_in_flight(lay.pp_schedule, lay.pp, lay.stages_per_rank, i, m)
