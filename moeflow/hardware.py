@@ -16,6 +16,15 @@ Sources (vendor datasheets):
 - MI300X: AMD Instinct MI300X datasheet: bf16 1307.4 TFLOPS, fp8 2614.9 TFLOPS dense, 192 GB HBM3,
   7 Infinity Fabric links x 64 GB/s per direction (448 GB/s); 400 Gb/s NIC per GPU assumed.
 - MI325X: AMD Instinct MI325X datasheet: same compute as MI300X, 256 GB HBM3e, same Infinity Fabric.
+HBM bandwidth (the same datasheets): A100 40GB 1555 GB/s, A100 80GB 2039 GB/s, H100 / H800 3350 GB/s,
+H200 4800 GB/s, B200 8000 GB/s, MI300X 5300 GB/s, MI325X 6000 GB/s.
+Large-matmul efficiency (`matmul_efficiency`): the fraction of the datasheet peak that the best-shaped
+dense bf16 / fp8 matmul reaches, "Maximum Achievable Matmul FLOPS" (MAMF) measured with torch by S. Bekman,
+"Machine Learning Engineering", compute/accelerator/README.md (github.com/stas00/ml-engineering, commit
+744d01e): bf16 A100 SXM 271.2 of 312 (86.9%), H100 SXM 794.5 of 989 (80.3%, "H200 is the same"), B200 1745
+of 2250 (77.6%), MI300X 668.4 of 1300 (51.4%), MI325X 784.9 of 1300 (60.4%); fp8 H100 1402.6 of 1979
+(70.9%), H200 1453.4 (73.4%), B200 3432.5 of 4500 (76.3%). No fp8 figure for MI300X/MI325X: their bf16
+fraction is used (an assumption).
 """
 
 from __future__ import annotations
@@ -34,12 +43,29 @@ class GPU:
     intra_gbps: float
     inter_gbps: float
     source: str
+    hbm_gbps: float = 0.0
+    """Device memory bandwidth in GB/s: what memory-bound kernels (norms, activations, small matmuls) run at."""
+    matmul_efficiency: float = 0.8
+    """Fraction of the bf16 peak the largest, best-shaped matmuls reach (MAMF / datasheet, see above)."""
+    fp8_matmul_efficiency: float | None = None
+    """The same for fp8 matmuls; None = matmul_efficiency."""
     efficiency: float = 0.5
-    """Fraction of peak a well-tuned large matmul workload reaches (assumption; MFU 40-55% is what
-    Megatron-LM, Llama 3 and DeepSeek-V3 report on H100/H800 class parts)."""
-    half_tokens: float = 256.0
-    """Tokens per micro-batch per GPU at which matmul efficiency halves (assumption: small matmuls
-    under-use the tensor cores; eff(n) = efficiency * n / (n + half_tokens))."""
+    """Whole-model fraction of peak, used only by `moeflow simulate ep` for its compute estimate (assumption;
+    MFU 40-55% is what Megatron-LM, Llama 3 and DeepSeek-V3 report). The planner models compute per operation
+    (moeflow.plan.compute) from matmul_efficiency and hbm_gbps instead."""
+
+    def matmul_fraction(self, precision: str) -> float:
+        """Fraction of `peak_flops(precision)` that large matmuls reach."""
+        if precision == "fp8" and self.fp8_matmul_efficiency is not None:
+            return self.fp8_matmul_efficiency
+        return self.matmul_efficiency
+
+    @property
+    def half_tokens(self) -> float:
+        """Rows at which a matmul against a large weight is half as fast as a large one (the bf16 roofline's
+        ridge point, matmul_efficiency * peak / HBM bandwidth, in FLOP per byte: a bf16 matmul of M rows
+        against a K x N weight with M << K, N does about M FLOPs per byte it reads)."""
+        return self.matmul_efficiency * self.bf16_tflops * 1e12 / (self.hbm_gbps * 1e9)
 
     def peak_flops(self, precision: str) -> float:
         if precision == "bf16":
@@ -53,18 +79,26 @@ class GPU:
         raise ValueError(f"--precision = {precision!r} is not one of ['bf16', 'fp8']")
 
 
-_H100 = GPU("H100-80GB", 989, 1979, 80, 450, 50, "NVIDIA H100 datasheet (SXM5)")
+_H100 = GPU("H100-80GB", 989, 1979, 80, 450, 50, "NVIDIA H100 datasheet (SXM5)", hbm_gbps=3350,
+            matmul_efficiency=0.803, fp8_matmul_efficiency=0.709)
+_A100 = GPU("A100-80GB", 312, None, 80, 300, 25, "NVIDIA A100 datasheet (SXM)", hbm_gbps=2039,
+            matmul_efficiency=0.869)
+_MI300X = GPU("MI300X", 1307.4, 2614.9, 192, 448, 50, "AMD Instinct MI300X datasheet", hbm_gbps=5300,
+              matmul_efficiency=0.514)
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in [
         _H100,
         replace(_H100, name="H800", intra_gbps=200, source="NVIDIA H800 / DeepSeek-V3 report sec. 3.2.2"),
-        replace(_H100, name="H200", memory_gb=141, source="NVIDIA H200 datasheet (SXM)"),
-        GPU("B200", 2250, 4500, 180, 900, 50, "NVIDIA HGX B200 datasheet"),
-        GPU("A100-40GB", 312, None, 40, 300, 25, "NVIDIA A100 datasheet (SXM)"),
-        GPU("A100-80GB", 312, None, 80, 300, 25, "NVIDIA A100 datasheet (SXM)"),
-        GPU("MI300X", 1307.4, 2614.9, 192, 448, 50, "AMD Instinct MI300X datasheet"),
-        GPU("MI325X", 1307.4, 2614.9, 256, 448, 50, "AMD Instinct MI325X datasheet"),
+        replace(_H100, name="H200", memory_gb=141, hbm_gbps=4800, fp8_matmul_efficiency=0.734,
+                source="NVIDIA H200 datasheet (SXM)"),
+        GPU("B200", 2250, 4500, 180, 900, 50, "NVIDIA HGX B200 datasheet", hbm_gbps=8000,
+            matmul_efficiency=0.776, fp8_matmul_efficiency=0.763),
+        replace(_A100, name="A100-40GB", memory_gb=40, hbm_gbps=1555),
+        _A100,
+        _MI300X,
+        replace(_MI300X, name="MI325X", memory_gb=256, hbm_gbps=6000, matmul_efficiency=0.604,
+                source="AMD Instinct MI325X datasheet"),
     ]
 }
 # extra memory a GPU cannot give to the model: CUDA context, NCCL buffers, allocator fragmentation

@@ -8,16 +8,19 @@ import json
 import pytest
 
 from moeflow.hardware import get_gpu
+from moeflow.layout.schedules import SCHEDULES
 from moeflow.models.config import ModelConfig, MoEConfig
 from moeflow.models.hf_arch import config_from_hf
 from moeflow.models.presets import PUBLISHED, get_preset
 from moeflow.plan.advice import advise
 from moeflow.plan.cli import load_model, plan
 from moeflow.plan.cli import main as plan_main
+from moeflow.plan.compute import FBW, Rates, layer_cost, matmul_seconds, scores_cost
 from moeflow.plan.layout import Job, Layout
 from moeflow.plan.memory import layer_activation_bytes, memory_per_gpu
+from moeflow.plan.schedule import bubble_seconds
 from moeflow.plan.search import Constraints, evaluate, search
-from moeflow.plan.time import ring_time, step_time
+from moeflow.plan.time import rates, ring_time, step_time
 
 # vocab 100, dim 8, 2 layers, 2 heads, ffn 16. By hand: embeddings + head 2*100*8 = 1600, final norm 8,
 # per layer: norms 2*8 + attention q,k,v,o 4*8*8 = 256 + SwiGLU 3*8*16 = 384 -> 656; total 2920.
@@ -81,8 +84,48 @@ def test_time_formulas():
     job = job_for(HAND, gpn=8, seq=64, batch=64 * 16)
     t = step_time(job, lay(dp_shard=2, pp=2, zero=1, mb=1, ac="none"))  # dp=2 -> m = 16/2 = 8
     assert t["bubble_fraction"] == pytest.approx((2 - 1) / (8 + 2 - 1))  # (p-1)/(m+p-1)
-    full = step_time(job, lay(dp_shard=2, pp=2, mb=1, ac="full"))
-    assert full["compute_s"] == pytest.approx(t["compute_s"] * 4 / 3)  # one extra forward: 8N vs 6N
+    # full recomputation adds exactly one more forward of the layer to its backward (Korthikanti et al. sec. 5)
+    r = rates(job)
+    none, full = (layer_cost(HAND, False, 64, 1, 1, 1, ac, r) for ac in ("none", "full"))
+    assert full.b - none.b == pytest.approx(none.f) and (full.f, full.w) == (none.f, none.w)
+
+
+# A GPU with round numbers for hand-worked costs: 100 TFLOP/s matmuls, 50 TFLOP/s attention, 1 TB/s memory.
+ROUND = Rates(matmul_flops=100e12, attention_flops=50e12, hbm_bytes=1e12, matmul_elt=2)
+
+
+def test_matmul_roofline_hand_worked():
+    # [8192, 4096] @ [4096, 4096]: 2*8192*4096*4096 = 2.749e11 FLOPs -> 2.749 ms; bytes 2*(33.5M + 16.8M + 33.5M)
+    # = 167.8 MB -> 0.168 ms: compute-bound.
+    assert matmul_seconds(8192, 4096, 4096, ROUND) == pytest.approx(2 * 8192 * 4096 * 4096 / 100e12)
+    # [16, 4096] @ [4096, 4096]: 5.4e8 FLOPs -> 5.4 us, but the weight alone is 33.6 MB -> 33.8 us: memory-bound.
+    assert matmul_seconds(16, 4096, 4096, ROUND) == pytest.approx(2 * (16 * 4096 * 2 + 4096 * 4096) / 1e12)
+    # 8 experts' matmuls of 64 rows each cost 8 times one
+    assert matmul_seconds(64, 512, 256, ROUND, 8) == pytest.approx(8 * matmul_seconds(64, 512, 256, ROUND))
+
+
+def test_attention_scores_hand_worked():
+    # 2 layers' worth: seq 1024, mb 2, 8 heads of 64 (qk = v = 512): forward FLOPs s * b * s * (qk + v) (causal)
+    cfg = ModelConfig(vocab_size=100, dim=512, n_layers=1, n_heads=8, ffn_dim=1024)
+    flops = 1024 * 2 * 1024 * (512 + 512)
+    f, b = scores_cost(cfg, 1024, 2, 1, ROUND, flash=True)
+    assert f == pytest.approx(flops / 50e12) and b == pytest.approx(2.5 * f)  # flash backward: 5 matmuls vs 2
+    f2, b2 = scores_cost(cfg, 1024, 2, 2, ROUND, flash=True)
+    assert f2 == pytest.approx(f / 2)  # tp splits the heads
+    # Without flash attention: the whole square at the matmul rate, plus 5as bytes per token written and read.
+    f3, b3 = scores_cost(cfg, 1024, 2, 1, ROUND, flash=False)
+    assert f3 == pytest.approx(2 * flops / 100e12 + 2 * 5 * 8 * 1024 * 1024 * 2 / 1e12) and b3 == pytest.approx(2 * f3)
+
+
+def test_tensor_parallelism_splits_flops_not_matmul_rows():
+    # With sequence parallelism each tp rank multiplies all s*b rows by 1/tp of the weight, so trading dp = 8 for
+    # dp = 4 x tp = 2 leaves each GPU's compute per step unchanged for compute-bound matmuls (1/8 of the FLOPs
+    # either way). The old model sized matmuls by the s*b/tp tokens of a rank and charged tp 6% more compute.
+    job = job_for(get_preset("llama3-70b"), "H100-80GB", 1, 8, 4096, 4096 * 64)
+    t1 = step_time(job, lay(dp_shard=8, tp=1, zero=3, mb=1, ac="none"))["compute_s"]
+    t2 = step_time(job, lay(dp_shard=4, tp=2, zero=3, mb=1, ac="none"))["compute_s"]
+    assert t2 == pytest.approx(t1, rel=0.005)
+
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -240,4 +283,135 @@ def test_calibrate_smoke():
     from moeflow.plan.calibrate import calibrate
 
     gpu = calibrate(2)
-    assert gpu.bf16_tflops > 0 and gpu.intra_gbps > 0 and gpu.half_tokens >= 1
+    assert gpu.bf16_tflops > 0 and gpu.intra_gbps > 0 and gpu.half_tokens >= 1 - 1e-9
+
+
+# ---- pipeline schedules ----------------------------------------------------------------------------------
+
+
+def simulate_1f1b(p: int, m: int, f: float, b: float, gpipe: bool = False) -> float:
+    """Makespan of a 1F1B (or GPipe) pipeline by event simulation: an independent oracle for the bubble formula.
+    Stage s runs p - s - 1 warm-up forwards, then alternates one forward and one backward (GPipe: all forwards,
+    then all backwards); a forward needs the previous stage's, a backward the next stage's and its own forward."""
+    order = []
+    for s in range(p):
+        if gpipe:
+            ops = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        else:
+            warm = min(p - s - 1, m)
+            ops = [("F", i) for i in range(warm)]
+            for i in range(m - warm):
+                ops += [("F", warm + i), ("B", i)]
+            ops += [("B", i) for i in range(m - warm, m)]
+        order.append(ops)
+    done, clock, pos = {}, [0.0] * p, [0] * p
+    while any(pos[s] < len(order[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            if pos[s] == len(order[s]):
+                continue
+            kind, i = order[s][pos[s]]
+            deps = [("F", s - 1, i)] if kind == "F" and s else []
+            if kind == "B":
+                deps = [("F", s, i)] + ([("B", s + 1, i)] if s < p - 1 else [])
+            if all(d in done for d in deps):
+                start = max([clock[s]] + [done[d] for d in deps])
+                clock[s] = done[(kind, s, i)] = start + (f if kind == "F" else b)
+                pos[s] += 1
+                progressed = True
+        assert progressed
+    return max(clock)
+
+
+@pytest.mark.parametrize("p,m,gpipe", [(4, 8, False), (8, 8, False), (4, 16, True), (2, 1, False)])
+def test_1f1b_bubble_matches_event_simulation(p, m, gpipe):
+    f, b, w = 1.0, 1.5, 0.5  # the rank's forward, input-gradient and weight-gradient seconds
+    bubble = bubble_seconds("GPipe" if gpipe else "1F1B", p, 1, FBW(f, b, w))
+    assert m * (f + b + w) + bubble == pytest.approx(simulate_1f1b(p, m, f, b + w, gpipe))
+
+
+def test_schedule_bubbles_against_published_tables():
+    # With T_F = T_B = T_W = 1 (sail-sg/zero-bubble-pipeline-parallelism README table): 1F1B bubble rate (p-1)/m,
+    # i.e. (p-1) * 3 seconds; ZB-H1 (p-1)/3m, i.e. (p-1); ZB-V 0. Interleaving v stages: (p-1)/(v m)
+    # (Narayanan et al. 2021 sec. 2.2.2).
+    p, one = 4, FBW(1.0, 1.0, 1.0)
+    assert bubble_seconds("1F1B", p, 1, one) == 9.0
+    assert bubble_seconds("InterleavedZeroBubble", p, 1, one) == 3.0
+    assert bubble_seconds("InterleavedZeroBubble", p, 2, one) == 1.5
+    assert bubble_seconds("ZBVZeroBubble", p, 2, one) == 0.0
+    assert bubble_seconds("Interleaved1F1B", p, 2, one) == 4.5
+    # DualPipeV (deepseek-ai/DualPipe README): (PP/2 - 1)(F&B + B - 3W) over PP = 2p stages, each stage half a
+    # rank: F = B = W = 0.5 per stage, F&B = F + B + W = 1.5 without overlap, B ("full backward") = 1.0
+    assert bubble_seconds("DualPipeV", p, 2, one) == pytest.approx((2 * p / 2 - 1) * (1.5 + 1.0 - 3 * 0.5))
+    assert bubble_seconds("1F1B", 1, 1, one) == 0.0
+
+
+def test_schedule_changes_activation_memory():
+    cfg = ModelConfig(vocab_size=100, dim=256, n_layers=8, n_heads=4, ffn_dim=512)
+    job = job_for(cfg, gpn=4, seq=64, batch=64 * 16)
+    act = {name: memory_per_gpu(job, Layout(1, 1, 1, 4, 1, 1, 1, "selective", name))["activations"]
+           for name in ("1F1B", "Interleaved1F1B", "GPipe", "ZBVZeroBubble")}
+    # 1F1B's fullest stage is the first, holding p = 4 micro-batches; GPipe's every stage holds all 16, the last
+    # one also the fp32 logits (4 * 64 tokens * 100 vocab bytes); the V placement puts the last stage, and its
+    # logits, on the first rank
+    logits = 4 * 64 * 100 / 1e9
+    assert act["ZBVZeroBubble"] == pytest.approx(act["1F1B"] + logits)
+    assert act["GPipe"] == pytest.approx(act["1F1B"] * 16 / 4 + logits)
+    # Korthikanti et al. sec. 4.2.3: interleaving holds (1 + (p-1)/(p v)) times 1F1B's activations
+    assert act["Interleaved1F1B"] == pytest.approx(act["1F1B"] * (1 + 3 / (4 * 2)))
+
+
+def test_search_picks_a_schedule_the_trainer_runs():
+    from moeflow.layout import ParallelDims
+
+    cfg = get_preset("llama3-70b")
+    job = job_for(cfg, "H100-80GB", 8, 8, 4096, 4096 * 256)
+    out = plan(job, Constraints(pp=8), top=10, infeasible=0)
+    rows = [r for r in out["layouts"] if r["feasible"]]
+    assert rows and all(r["pp_schedule"] in SCHEDULES for r in rows)
+    for r in rows:  # the trainer's own checks: sizes, schedule against the model, micro-batches
+        dims = ParallelDims(64, dp_replicate=r["dp_replicate"], dp_shard=r["dp_shard"], tp=r["tp"], pp=r["pp"],
+                            ep=r["ep"], zero=r["zero"], pp_schedule=r["pp_schedule"])
+        dims.check_model(cfg)
+        dims.split_batch(256, r["micro_batch"])
+    # a zero-bubble schedule beats 1F1B here, and pinning 1F1B shows its larger bubble
+    best = rows[0]
+    assert best["pp_schedule"] != "1F1B"
+    pinned = plan(job, Constraints(pp=8, pp_schedule="1f1b"), top=1, infeasible=0)["layouts"][0]
+    assert pinned["pp_schedule"] == "1F1B" and pinned["time_s"]["bubble_fraction"] > best["time_s"]["bubble_fraction"]
+
+
+def test_ep_overlap_hides_communication_up_to_compute():
+    job = job_for(get_preset("deepseek-v3"), "H800", 32, 8, 4096, 4096 * 1024)
+    layout = Layout(1, 256, 1, 1, 64, 3, 1, "none")
+    off = step_time(job, layout)
+    job.ep_overlap = True
+    on = step_time(job, layout)
+    # while the communication kernels hold 20 of 132 SMs (DeepSeek-V3 sec. 3.2.2), compute runs slower ...
+    assert on["compute_s"] == pytest.approx(off["compute_s"] / (1 - 20 / 132))
+    # ... and only the all-to-all time beyond that compute is exposed
+    assert on["ep_s"] == pytest.approx(max(0.0, off["ep_s"] - on["compute_s"]))
+    assert on["step_s"] < off["step_s"]
+
+
+def test_fp8_speeds_up_matmuls_only():
+    cfg = get_preset("llama3-8b")
+    bf16, fp8 = (rates(job_for(cfg, "H100-80GB", precision=p)) for p in ("bf16", "fp8"))
+    assert fp8.attention_flops == bf16.attention_flops and fp8.hbm_bytes == bf16.hbm_bytes
+    # H100 SXM large-matmul rates measured by MAMF: bf16 794.5 of 989, fp8 1402.6 of 1979 TFLOP/s
+    assert fp8.matmul_flops / bf16.matmul_flops == pytest.approx(1402.6 / 794.5, rel=0.005)
+    assert scores_cost(cfg, 4096, 1, 1, fp8, True) == scores_cost(cfg, 4096, 1, 1, bf16, True)
+
+
+def test_cli_schedule_column_and_flags(capsys):
+    base = ["--model", "llama3-70b", "--gpu", "H100-80GB", "--nodes", "4", "--seq-len", "4096",
+            "--global-batch-tokens", str(4096 * 128), "--pp", "4"]
+    rc, out, _ = run_cli(capsys, *base)
+    assert rc == 0 and "schedule" in out.splitlines()[2]
+    rc, out, _ = run_cli(capsys, *base, "--pp-schedule", "DualPipeV", "--json")
+    assert rc == 0 and {r["pp_schedule"] for r in json.loads(out)["layouts"]} == {"DualPipeV"}
+    rc, _, err = run_cli(capsys, *base, "--pp-schedule", "Zigzag")
+    assert rc == 2 and "--pp-schedule = 'Zigzag' is not a pipeline schedule" in err
+    rc, out, _ = run_cli(capsys, "--model", "deepseek-v3", "--gpu", "H800", "--nodes", "32", "--seq-len", "4096",
+                         "--global-batch-tokens", str(4096 * 1024), "--ep-overlap", "--json")
+    assert rc == 0 and json.loads(out)["hardware"]["ep_overlap"] is True

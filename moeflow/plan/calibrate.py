@@ -2,7 +2,8 @@
 
 torch is imported inside the functions only (the rest of moeflow.plan stays torch-free). The result is a
 GPU entry named 'cpu-calibrated' whose peak is the measured large-matmul rate (efficiency 1.0) and whose
-small-matmul fall-off `half_tokens` is fitted from two sizes: rate(n) = peak * n / (n + half_tokens).
+small-matmul fall-off `half_tokens` is fitted from two sizes: rate(n) = peak * n / (n + half_tokens), and
+kept as the roofline's bandwidth (hbm_gbps = peak / half_tokens), which moeflow.plan.compute uses.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def calibrate(gpus_per_node: int = 2) -> GPU:
     peak = f_large * (large + h) / large
     bw = allreduce_gbps()
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / gpus_per_node
+    # The fitted fall-off is expressed as the roofline's memory bandwidth: a matmul of M rows against a large
+    # weight does about M FLOPs per byte, so rate(M) halves at M = peak / bandwidth (GPU.half_tokens).
     return GPU("cpu-calibrated", peak / 1e12, None, mem_gb, bw, bw,
                f"measured here: fp32 matmul {f_small / 1e9:.1f}/{f_large / 1e9:.1f} GFLOP/s at M={small}/{large}, "
-               f"gloo all-reduce {bw:.2f} GB/s", efficiency=1.0, half_tokens=h)
+               f"gloo all-reduce {bw:.2f} GB/s", hbm_gbps=peak / h / 1e9, matmul_efficiency=1.0, efficiency=1.0)

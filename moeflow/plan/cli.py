@@ -18,11 +18,14 @@ from moeflow.plan.layout import Job
 from moeflow.plan.search import Constraints, search, shortfall_message
 
 ASSUMPTIONS = [
-    "compute at peak x efficiency, efficiency falling for small per-GPU micro-batches",
-    "TP, EP and PP point-to-point communication are not overlapped with compute",
-    "DP/ZeRO communication overlaps backward compute; only the excess is exposed",
+    "matmuls on the roofline at the GPU's measured large-matmul efficiency (MAMF), flash attention at 50% of "
+    "peak, norms/activations/permutes at HBM bandwidth; kernels at KERNEL_EFFICIENCY of those rates "
+    "(calibrated, moeflow.plan.compute)",
+    "pipeline bubble of the schedule (1F1B, interleaved, zero-bubble, DualPipeV) from its published formula",
+    "TP and PP point-to-point communication are not overlapped with compute; EP neither unless --ep-overlap",
+    "DP/ZeRO communication overlaps compute (not other communication); only the excess is exposed",
     "EP traffic from uniform routing with per-rank dedup inside a node, per-node dedup across nodes",
-    "bf16 weights and grads, fp32 AdamW state (16 bytes/param before sharding); fp8 changes only FLOP/s",
+    "bf16 weights and grads, fp32 AdamW state (16 bytes/param before sharding); fp8 speeds up matmuls only",
     "optimizer step and data loading time not modelled",
 ]
 
@@ -77,9 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="matmul precision: sets the peak FLOP/s used (default bf16)")
     p.add_argument("--intra-gbps", type=float, help="override the intra-node GB/s per GPU per direction")
     p.add_argument("--inter-gbps", type=float, help="override the inter-node GB/s per GPU per direction")
-    p.add_argument("--efficiency", type=float, help="override the fraction of peak FLOP/s reached (0-1]")
+    p.add_argument("--efficiency", type=float,
+                   help="override the fraction of peak FLOP/s the largest matmuls reach (0-1]; default: the GPU's "
+                   "measured one (moeflow.hardware)")
     for dim in ("tp", "pp", "ep", "zero"):
         p.add_argument(f"--{dim}", type=int, help=f"pin {dim} to this value instead of searching it")
+    p.add_argument("--pp-schedule", help="pin the pipeline schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
+                   "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) instead of searching 1F1B, Interleaved1F1B, "
+                   "InterleavedZeroBubble, ZBVZeroBubble and DualPipeV")
+    p.add_argument("--ep-overlap", action="store_true",
+                   help="cost expert-parallel dispatch/combine as overlapped with another micro-batch's compute "
+                   "(hidden up to that compute; the trainer does not overlap them yet)")
     p.add_argument("--top", type=int, default=5, help="feasible layouts to show (default 5)")
     p.add_argument("--infeasible", type=int, default=3, help="close infeasible layouts to show (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON (key 'layouts') instead of a table")
@@ -105,9 +116,10 @@ def plan(job: Job, cons: Constraints | None = None, top: int = 5, infeasible: in
                 "seq_len": job.seq_len, "global_batch_tokens": job.global_batch_tokens,
                 "precision": job.precision},
         "hardware": {"memory_gb": job.gpu.memory_gb, "peak_tflops": job.gpu.peak_flops(job.precision) / 1e12,
-                     "efficiency": job.gpu.efficiency, "intra_gbps": job.intra, "inter_gbps": job.inter,
+                     "matmul_efficiency": job.gpu.matmul_fraction(job.precision), "hbm_gbps": job.gpu.hbm_gbps,
+                     "intra_gbps": job.intra, "inter_gbps": job.inter, "ep_overlap": job.ep_overlap,
                      "source": job.gpu.source},
-        "searched": len(results),
+        "searched": job.stats.cache.get("searched", len(results)),
         "feasible": len(ok),
         "layouts": [r.as_dict() for r in ok[:top] + bad],
         "recommendation": {"family": adv.family, "tools": adv.tools, "text": adv.text},
@@ -117,21 +129,22 @@ def plan(job: Job, cons: Constraints | None = None, top: int = 5, infeasible: in
 
 def format_table(out: dict) -> str:
     j = out["job"]
+    sw = max([8] + [len(r["schedule"]) for r in out["layouts"]])  # the schedule column's width
     lines = [
         f"{j['model']} ({j['params'] / 1e9:.1f}B total, {j['active_params'] / 1e9:.1f}B active) on "
         f"{j['nodes']}x{j['gpus_per_node']} {j['gpu']}, seq {j['seq_len']}, {j['global_batch_tokens']} tokens/step, "
         f"{j['precision']}; {out['searched']} layouts searched, {out['feasible']} fit",
         "",
-        f"{'#':>3} {'dp_rep':>6} {'dp_sh':>5} {'tp':>3} {'pp':>3} {'ep':>4} {'zero':>4} {'mb':>3} {'ac':>9} "
-        f"{'mem GB':>7} {'(p/g/o/act)':>22} {'tok/s/GPU':>10} {'MFU':>5} {'step s':>7} {'bubble':>6}",
+        f"{'#':>3} {'dp_rep':>6} {'dp_sh':>5} {'tp':>3} {'pp':>3} {'schedule':>{sw}} {'ep':>4} {'zero':>4} {'mb':>3} "
+        f"{'ac':>5} {'mem GB':>7} {'(p/g/o/act)':>22} {'tok/s/GPU':>10} {'MFU':>5} {'step s':>7} {'bubble':>6}",
     ]
     for i, r in enumerate(out["layouts"]):
         m, t = r["memory_gb"], r["time_s"]
         parts = f"{m['params']:.1f}/{m['grads']:.1f}/{m['optimizer']:.1f}/{m['activations']:.1f}"
         mark = f"{i + 1:>3}" if r["feasible"] else "  x"
         lines.append(
-            f"{mark} {r['dp_replicate']:>6} {r['dp_shard']:>5} {r['tp']:>3} {r['pp']:>3} {r['ep']:>4} "
-            f"{r['zero']:>4} {r['micro_batch']:>3} {r['activation_checkpointing']:>9} {m['total']:>7.1f} "
+            f"{mark} {r['dp_replicate']:>6} {r['dp_shard']:>5} {r['tp']:>3} {r['pp']:>3} {r['schedule']:>{sw}} "
+            f"{r['ep']:>4} {r['zero']:>4} {r['micro_batch']:>3} {r['activation_checkpointing']:>5} {m['total']:>7.1f} "
             f"{parts:>22} {r['tokens_per_s_per_gpu']:>10.0f} {r['mfu']:>5.1%} {t.get('step_s', 0):>7.2f} "
             f"{t.get('bubble_fraction', 0):>6.1%}"
         )
@@ -152,7 +165,7 @@ def write_png(out: dict, path: str) -> None:
 
     rows = out["layouts"]
     labels = [f"tp{r['tp']} pp{r['pp']} ep{r['ep']} z{r['zero']}\nmb{r['micro_batch']} {r['activation_checkpointing']}"
-              for r in rows]
+              + ("" if r["pp"] == 1 else f"\n{r['schedule']}") for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = ["tab:blue" if r["feasible"] else "tab:gray" for r in rows]
     ax1.bar(range(len(rows)), [r["tokens_per_s_per_gpu"] for r in rows], color=colors)
@@ -186,13 +199,13 @@ def main(argv: list[str] | None = None) -> int:
             gpu = get_gpu(args.gpu)
         if args.efficiency is not None:
             if not 0 < args.efficiency <= 1:
-                raise ValueError(f"--efficiency ({args.efficiency}) must be in (0, 1]; e.g. 0.4")
+                raise ValueError(f"--efficiency ({args.efficiency}) must be in (0, 1]; e.g. 0.7")
             from dataclasses import replace
 
-            gpu = replace(gpu, efficiency=args.efficiency)
+            gpu = replace(gpu, matmul_efficiency=args.efficiency, fp8_matmul_efficiency=args.efficiency)
         job = Job(cfg, gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch_tokens,
-                  args.precision, args.intra_gbps, args.inter_gbps)
-        cons = Constraints(args.tp, args.pp, args.ep, args.zero)
+                  args.precision, args.intra_gbps, args.inter_gbps, ep_overlap=args.ep_overlap)
+        cons = Constraints(args.tp, args.pp, args.ep, args.zero, args.pp_schedule)
         out = plan(job, cons, args.top, args.infeasible)
     except ValueError as e:
         print(f"moeflow plan: error: {e}", file=sys.stderr)

@@ -6,7 +6,9 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 
 from moeflow.hardware import GPU
+from moeflow.layout.schedules import SCHEDULES
 from moeflow.models.config import ModelConfig
+from moeflow.plan.compute import KERNEL_EFFICIENCY
 
 AC_MODES = ("none", "selective", "full")
 
@@ -41,6 +43,15 @@ class Job:
     precision: str = "bf16"
     intra_gbps: float | None = None
     inter_gbps: float | None = None
+    kernel_efficiency: float = KERNEL_EFFICIENCY
+    """Fraction of the isolated-kernel rates a training step reaches (moeflow.plan.compute.KERNEL_EFFICIENCY)."""
+    flash_attention: bool = True
+    """The attention scores are never materialized (flash attention: what torch's scaled_dot_product_attention,
+    which the trainer calls, runs on GPUs). False models Megatron-LM before flash attention (moeflow.plan.compute)."""
+    ep_overlap: bool = False
+    """Expert-parallel dispatch/combine runs while another micro-batch computes (DualPipe, DeepSeek-V3 report
+    sec. 3.2.1; Megatron-Core's all-to-all overlap), hidden up to that compute (moeflow.plan.time). Off by
+    default: the trainer does not overlap them yet."""
 
     @property
     def world(self) -> int:
@@ -79,6 +90,9 @@ class Job:
                     f"{self.world // max_split * self.seq_len} or use fewer --nodes"
                 )
         self.gpu.peak_flops(self.precision)  # raises for fp8 on a part without fp8
+        if self.gpu.hbm_gbps <= 0:
+            raise ValueError(f"GPU {self.gpu.name!r} has no memory bandwidth (hbm_gbps = {self.gpu.hbm_gbps}); the "
+                             f"time model needs it: give the GPU entry its HBM GB/s")
         return self
 
 
@@ -92,6 +106,22 @@ class Layout:
     zero: int
     micro_batch: int
     activation_checkpointing: str
+    pp_schedule: str = "1F1B"  # one of moeflow.layout.schedules.SCHEDULES; only matters with pp > 1
+    virtual_stages: int = 0  # pipeline stages per rank; 0 = the schedule's default (what the trainer runs)
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp == 1:
+            return 1
+        return self.virtual_stages or (1 if SCHEDULES[self.pp_schedule].placement == "single" else 2)
+
+    @property
+    def schedule_label(self) -> str:
+        """'-' without pipelining, else the schedule, with its stages per rank when they are a choice."""
+        if self.pp == 1:
+            return "-"
+        loop = SCHEDULES[self.pp_schedule].placement == "loop"
+        return f"{self.pp_schedule} v{self.stages_per_rank}" if loop else self.pp_schedule
 
     @property
     def dp(self) -> int:
@@ -107,8 +137,9 @@ class Layout:
         return 0 if rem else seqs_per_replica
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "stages_per_rank": self.stages_per_rank}
 
     def short(self) -> str:
-        return (f"dp{self.dp_replicate}x{self.dp_shard} tp{self.tp} pp{self.pp} ep{self.ep} "
+        sched = "" if self.pp == 1 else f" {self.schedule_label}"
+        return (f"dp{self.dp_replicate}x{self.dp_shard} tp{self.tp} pp{self.pp}{sched} ep{self.ep} "
                 f"z{self.zero} mb{self.micro_batch} ac={self.activation_checkpointing}")

@@ -14,14 +14,17 @@ sec. 4, Table 2), bytes per layer per micro-batch with tensor + sequence paralle
   full       s*b*h*2 / t           (keep only each layer's input)
 The 34 = 11 (attention) + 4 (norms) + 19 (MLP with width 4h). The MLP part is rescaled to the FFN width
 a token actually touches (dense ffn_dim, or top_k * expert width + shared width): 2 + 17 * F_tok / (4h).
-With 1F1B pipelining stage i holds min(pp - i, m) micro-batches in flight (sec. 4.2.3).
+With 1F1B pipelining stage i holds min(pp - i, m) micro-batches in flight (sec. 4.2.3); other schedules:
+moeflow.plan.schedule.in_flight. Under flash attention (Job.flash_attention) "none" keeps what "selective" does.
 """
 
 from __future__ import annotations
 
 from moeflow.hardware import RESERVED_GB
+from moeflow.layout.schedules import SCHEDULES
 from moeflow.models.config import ModelConfig
 from moeflow.plan.layout import Job, Layout
+from moeflow.plan.schedule import in_flight as schedule_in_flight
 
 GB = 1e9
 
@@ -95,15 +98,17 @@ def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
     """Memory in GB of the fullest pipeline stage, by part, plus 'total' and 'stage'."""
     cfg, st = job.model, job.stats
     m = max(1, lay.num_micro_batches(job))
-    ac = lay.activation_checkpointing
+    # flash attention keeps no attention scores: without recomputation it holds what selective recomputation does
+    ac = "selective" if lay.activation_checkpointing == "none" and job.flash_attention else lay.activation_checkpointing
     act_by_width = {w: layer_activation_bytes(cfg, w, job.seq_len, lay.micro_batch, lay.tp, ac)
                     for w in set(st.mlp_width)}
     best: dict[str, float] = {}
+    v_shape = lay.pp > 1 and SCHEDULES[lay.pp_schedule].placement == "v"  # rank 0 holds the first and last stage
     for i, layers in enumerate(stage_layers(cfg.n_layers, lay.pp)):
-        first, last = i == 0, i == lay.pp - 1
+        first, last = i == 0, (i == 0 if v_shape else i == lay.pp - 1)
         dense, expert = stage_params(job, layers, first, last)
         parts = model_state_bytes(dense, expert, lay)
-        in_flight = min(lay.pp - i, m)
+        in_flight = schedule_in_flight(lay.pp_schedule, lay.pp, lay.stages_per_rank, i, m)
         acts = sum(act_by_width[st.mlp_width[j]] for j in layers) * in_flight
         if ac == "full" and len(layers):
             # recomputing one layer needs its full working set once more

@@ -4,16 +4,22 @@ A layout: world = dp_replicate * dp_shard * tp * pp, with tp inside a node (a se
 is never fast); every layout listed also passes moeflow.layout.ParallelDims, the rules the trainer checks
 (so the planner never recommends what `moeflow train` refuses); zero 1/2/3 acts on dp_shard (with
 dp_shard = 1 only zero 1 is listed, it is plain replication); micro_batch and activation checkpointing fill
-the rest. Feasible = fits in memory and the global batch splits into whole micro-batches.
+the rest; with pp > 1 the pipeline schedule too (moeflow.plan.schedule.SEARCHED, with the stages per rank the
+trainer uses), keeping per layout the fastest schedule that fits (scoring memory for the others only when
+the faster ones do not fit: the search stays under a second). Under flash attention "selective" recomputation
+is what "none" already does (moeflow.plan.compute), so only none and full are listed, the trainer's choices.
+Feasible = fits in memory and the global batch splits into whole micro-batches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moeflow.layout import ParallelDims
+from moeflow.layout.schedules import SCHEDULES, resolve_schedule
 from moeflow.plan.layout import AC_MODES, Job, Layout
 from moeflow.plan.memory import memory_per_gpu
+from moeflow.plan.schedule import SEARCHED, ZERO_BUBBLE, schedule_refusal
 from moeflow.plan.time import step_time
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -37,7 +43,7 @@ class Result:
 
     def as_dict(self) -> dict:
         d = self.layout.as_dict()
-        d.update(feasible=self.feasible, memory_gb=self.memory_gb,
+        d.update(schedule=self.layout.schedule_label, feasible=self.feasible, memory_gb=self.memory_gb,
                  tokens_per_s_per_gpu=self.time.get("tokens_per_s_per_gpu", 0.0),
                  mfu=self.time.get("mfu", 0.0), time_s=self.time, reason=self.reason)
         return d
@@ -51,6 +57,7 @@ class Constraints:
     pp: int | None = None
     ep: int | None = None
     zero: int | None = None
+    pp_schedule: str | None = None
     extra: dict = field(default_factory=dict)
 
     def check(self, job: Job) -> None:
@@ -65,23 +72,38 @@ class Constraints:
             raise ValueError(f"--ep ({self.ep}) must divide the {w} GPUs")
         if self.zero is not None and self.zero not in (1, 2, 3):
             raise ValueError(f"--zero ({self.zero}) must be 1, 2 or 3")
+        if self.pp_schedule is not None:
+            try:
+                self.pp_schedule = resolve_schedule(self.pp_schedule)
+            except ValueError as e:
+                raise ValueError(str(e).replace("parallel.pp_schedule", "--pp-schedule")) from None
         # The pinned sizes against the model, by the trainer's own rules.
-        refusal = trainer_refusal(job, self.tp or 1, self.pp or 1, self.ep or 1, 1, 3)
+        refusal = trainer_refusal(job, self.tp or 1, self.pp or 1, self.ep or 1, 1, 3, self.pp_schedule or "1F1B")
         if refusal:
             raise ValueError(f"the pinned sizes cannot train this model: {refusal}")
 
 
-def trainer_refusal(job: Job, tp: int, pp: int, ep: int, dp_replicate: int, zero: int) -> str | None:
+def trainer_refusal(job: Job, tp: int, pp: int, ep: int, dp_replicate: int, zero: int,
+                    pp_schedule: str = "1F1B") -> str | None:
     """Why `moeflow train` would refuse these sizes for this model (moeflow.layout.ParallelDims), or None."""
     try:
-        ParallelDims(job.world, dp_replicate=dp_replicate, tp=tp, pp=pp, ep=ep, zero=zero).check_model(job.model)
+        ParallelDims(job.world, dp_replicate=dp_replicate, tp=tp, pp=pp, ep=ep, zero=zero,
+                     pp_schedule=pp_schedule).check_model(job.model)
     except ValueError as e:
         return str(e)
     return None
 
 
+def schedules_for(job: Job, cons: Constraints, pp: int) -> list[str]:
+    if pp == 1:
+        return ["1F1B"]
+    return [cons.pp_schedule] if cons.pp_schedule else list(SEARCHED)
+
+
 def candidates(job: Job, cons: Constraints | None = None):
+    """Every layout the trainer runs, grouped: each group is one layout under each pipeline schedule."""
     cons = cons or Constraints()
+    acs = [ac for ac in AC_MODES if not (job.flash_attention and ac == "selective")]
     cfg, w, g = job.model, job.world, job.gpus_per_node
     tps = [t for t in powers_of_two_upto(g) if g % t == 0]
     pps = [p for p in powers_of_two_upto(min(cfg.n_layers, 64)) if w % p == 0]
@@ -100,21 +122,40 @@ def candidates(job: Job, cons: Constraints | None = None):
                         continue
                     zeros = (1,) if dp_shard == 1 else (1, 2, 3)
                     for zero in zeros if cons.zero is None else [cons.zero]:
-                        if trainer_refusal(job, tp, pp, ep, dp // dp_shard, zero):
-                            continue
+                        # ZeRO-3 under a zero-bubble schedule runs as ZeRO-2 (the trainer keeps the parameters
+                        # gathered for the step: moeflow.parallel.pipeline), so it is listed as ZeRO-2 only
+                        scheds = [x for x in schedules_for(job, cons, pp)
+                                  if not (zero == 3 and pp > 1 and x in ZERO_BUBBLE and cons.zero is None)
+                                  and not trainer_refusal(job, tp, pp, ep, dp // dp_shard, zero, x)]
                         for mb in MICRO_BATCHES:
-                            for ac in AC_MODES:
-                                yield Layout(dp // dp_shard, dp_shard, tp, pp, ep, zero, mb, ac)
+                            runnable = [x for x in scheds if _microbatches_ok(job, dp, pp, mb, x)]
+                            for ac in acs:
+                                group = [Layout(dp // dp_shard, dp_shard, tp, pp, ep, zero, mb, ac, x)
+                                         for x in runnable]
+                                if group:
+                                    yield group
 
 
-def evaluate(job: Job, lay: Layout) -> Result:
-    mem = memory_per_gpu(job, lay)
+def _microbatches_ok(job: Job, dp: int, pp: int, mb: int, schedule: str) -> bool:
+    """torch's limits on the pipeline micro-batches (m >= pp for 1F1B, ...); an uneven split is kept here and
+    reported by `evaluate` as infeasible."""
+    seqs, rem = divmod(job.global_batch_tokens // job.seq_len, dp * mb)
+    if pp == 1 or rem or seqs == 0:
+        return True
+    v = Layout(1, 1, 1, pp, 1, 1, mb, "none", schedule).stages_per_rank
+    return schedule_refusal(schedule, seqs, pp, v) is None
+
+
+def evaluate(job: Job, lay: Layout, time: dict | None = None) -> Result:
+    # under a zero-bubble schedule ZeRO-3 keeps the parameters gathered for the whole step: ZeRO-2's memory
+    zb3 = lay.zero == 3 and lay.pp > 1 and lay.pp_schedule in ZERO_BUBBLE
+    mem = memory_per_gpu(job, replace(lay, zero=2) if zb3 else lay)
     m = lay.num_micro_batches(job)
     if m == 0:
         seqs = job.global_batch_tokens // job.seq_len
         return Result(lay, False, mem, {}, f"the {seqs} sequences do not split into dp={lay.dp} x "
                       f"micro_batch={lay.micro_batch} whole micro-batches")
-    t = step_time(job, lay)
+    t = time or step_time(job, lay)
     cap = job.gpu.memory_gb
     if mem["total"] > cap:
         part = max((k for k in ("params", "grads", "optimizer", "activations")), key=lambda k: mem[k])
@@ -123,12 +164,34 @@ def evaluate(job: Job, lay: Layout) -> Result:
     return Result(lay, True, mem, t)
 
 
+def best_of_group(job: Job, group: list[Layout]) -> tuple[Result, int]:
+    """The fastest schedule of one layout that fits (else the fastest), and how many layouts were scored."""
+    if len(group) == 1:
+        return evaluate(job, group[0]), 1
+    if group[0].num_micro_batches(job) == 0:
+        return evaluate(job, group[0]), len(group)
+    timed = sorted(((step_time(job, lay), lay) for lay in group), key=lambda x: x[0]["step_s"])
+    first = evaluate(job, timed[0][1], timed[0][0])
+    if first.feasible or not first.layout.stages_per_rank > 1:
+        return first, len(group)
+    # Only the interleaved schedules hold more activations (moeflow.plan.schedule.in_flight): the fastest of
+    # the others is the one other memory figure the group has.
+    for t, lay in timed:
+        if SCHEDULES[lay.pp_schedule].placement != "loop":
+            r = evaluate(job, lay, t)
+            return (r if r.feasible else first), len(group)
+    return first, len(group)
+
+
 def search(job: Job, cons: Constraints | None = None) -> list[Result]:
-    """All candidate layouts scored; feasible first by tokens/s/GPU, then infeasible by overshoot."""
+    """All candidate layouts scored; feasible first by tokens/s/GPU, then infeasible by overshoot. With pp > 1 each
+    layout appears once, under its fastest schedule that fits."""
     job.validate()
     if cons:
         cons.check(job)
-    results = [evaluate(job, lay) for lay in candidates(job, cons)]
+    scored = [best_of_group(job, group) for group in candidates(job, cons)]
+    results = [r for r, _ in scored]
+    job.stats.cache["searched"] = sum(n for _, n in scored)
     if not results:
         raise ValueError(
             "no layout matches the pinned sizes on this cluster; drop --tp/--pp/--ep/--zero or change "

@@ -1,35 +1,41 @@
-"""Step time of one layout: compute, TP / EP / PP / DP communication, pipeline bubble.
+"""Step time of one layout: compute per operation, TP / EP / PP / DP communication, the schedule's bubble.
 
-- Compute: model FLOPs per token (6N + attention, Kaplan et al. 2020 sec. 2.1; ModelConfig.
-  flops_per_token) at peak * efficiency, efficiency falling for small matmuls (GPU.efficiency *
-  n / (n + GPU.half_tokens), an assumption), n = tokens per GPU per micro-batch, or for routed experts
-  the tokens one expert receives, T * ep * K / E (the reason EP pays off: bigger grouped GEMMs).
-  Recomputation adds FLOPs: selective redoes the attention core forward, full redoes the whole forward
-  (+1/3 of 6N; Korthikanti et al. 2022 sec. 5).
-- Communication: alpha-beta per link class (Hockney 1994). Ring all-reduce moves 2(n-1)/n of the buffer
-  per GPU, all-gather and reduce-scatter (n-1)/n each (Patarasuk & Yuan 2009; Thakur et al. 2005).
-- TP with sequence parallelism (Korthikanti et al. 2022 sec. 4.2.2): per layer 2 all-gathers + 2
-  reduce-scatters of s*b*h forward, the same backward; not overlapped with compute (assumption).
-- EP: expected per-rank dispatch/combine copies under uniform routing from moeflow.sim.ep (the `rank`
-  strategy inside a node, `node` across nodes), twice per layer for training; not overlapped.
-- PP: 1F1B bubble, step = (m + p - 1) micro-batch times, bubble fraction (p-1)/(m+p-1) (Narayanan et
-  al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", sec. 2.2.1), plus a
-  point-to-point send of s*b*h/t per boundary per micro-batch, forward and backward.
-- DP / ZeRO (Rajbhandari et al. 2020 sec. 7): ZeRO-1 reduces gradients and gathers weights once per step
-  (all-reduce volume), overlapped with the last micro-batch's backward; ZeRO-2 reduce-scatters each
-  micro-batch (overlapped with that backward) and gathers weights once per step; ZeRO-3 all-gathers the
-  weights forward and backward and reduce-scatters gradients each micro-batch (1.5x all-reduce volume),
-  overlapped with that micro-batch's compute. Only the part longer than its overlap window is exposed.
+- Compute: moeflow.plan.compute (matmuls on the roofline at the measured large-matmul efficiency, flash
+  attention, memory-bound elementwise work), per layer and micro-batch, summed over the layers each pipeline
+  rank holds under the schedule's placement (moeflow.layout.schedules.pipeline_layout, the trainer's split).
+- Communication: alpha-beta per link class (Hockney 1994). Ring all-reduce moves 2(n-1)/n of the buffer per
+  GPU, all-gather and reduce-scatter (n-1)/n each (Patarasuk & Yuan 2009; Thakur et al. 2005).
+- TP with sequence parallelism (Korthikanti et al. 2022 sec. 4.2.2): a dense layer all-gathers and
+  reduce-scatters s*b*h twice forward and twice backward; an MoE layer once each (its tokens enter the MoE as
+  the sequence-parallel shard); full recomputation repeats the forward ones. Not overlapped (assumption).
+- EP: expected per-rank dispatch/combine copies under uniform routing from moeflow.sim.ep (the `rank` strategy
+  inside a node, `node` across nodes), forward and backward. Not overlapped, unless `Job.ep_overlap`: then it
+  is hidden up to the rank's compute of a micro-batch, which slows by the SMs the communication kernels hold
+  (20 of an H800's 132, DeepSeek-V3 report sec. 3.2.2).
+- PP: the schedule's bubble (moeflow.plan.schedule) from the slowest rank's forward / input-gradient /
+  weight-gradient seconds, plus a point-to-point send of the s*b*h/t activation per stage boundary per
+  micro-batch, forward and backward.
+- DP / ZeRO, as the trainer runs them (bf16 parameter all-gathers, fp32 gradient reduce-scatters:
+  moeflow.parallel.fsdp's MixedPrecisionPolicy; no gradient reduction between micro-batches): ZeRO-1 reduces
+  gradients and gathers parameters once per step (Megatron-Core's distributed optimizer); ZeRO-2 gathers the
+  parameters for each micro-batch's forward, ZeRO-3 for its forward and its backward; under the zero-bubble
+  schedules both gather once per step (parameters stay gathered, moeflow.parallel.pipeline). Gathers overlap
+  their micro-batch's compute, the step's reduce-scatter the last backward and the step's gather the first
+  forward; only what exceeds its window is exposed. HSDP all-reduces each shard across replicas.
 The optimizer step and data loading are not modelled.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-
+from moeflow.layout.schedules import pipeline_layout
+from moeflow.plan.compute import ATTENTION_EFFICIENCY, FBW, Rates, head_cost, layer_cost
 from moeflow.plan.layout import Job, Layout
-from moeflow.plan.memory import stage_layers, stage_params
+from moeflow.plan.memory import stage_params
+from moeflow.plan.schedule import ZERO_BUBBLE, bubble_seconds
 from moeflow.sim.ep import Links, expected_uniform_copies, row_bytes
+
+COMM_SM_SHARE = 20 / 132
+"""Share of the SMs EP communication kernels hold while overlapping compute (DeepSeek-V3 sec. 3.2.2)."""
 
 
 def ring_time(nbytes: float, n: int, factor: float, bw_gbps: float, alpha: float) -> float:
@@ -39,97 +45,138 @@ def ring_time(nbytes: float, n: int, factor: float, bw_gbps: float, alpha: float
     return alpha * (n - 1) * factor + factor * (n - 1) / n * nbytes / (bw_gbps * 1e9)
 
 
-@lru_cache(maxsize=4096)
-def _ep_copies(E: int, K: int, ep: int, rpn: int) -> tuple[str, float, float]:
-    strategy = "node" if ep > rpn else "rank"
-    intra, inter = expected_uniform_copies(E, K, ep, rpn, strategy)
-    return strategy, intra, inter
+def rates(job: Job) -> Rates:
+    gpu, k = job.gpu, job.kernel_efficiency
+    return Rates(matmul_flops=k * gpu.peak_flops(job.precision) * gpu.matmul_fraction(job.precision),
+                 attention_flops=k * gpu.peak_flops("bf16") * ATTENTION_EFFICIENCY,
+                 hbm_bytes=k * gpu.hbm_gbps * 1e9, matmul_elt=1 if job.precision == "fp8" else 2)
+
+
+def _layer_costs(job: Job, lay: Layout) -> tuple[FBW, FBW, FBW]:
+    """(dense layer, MoE layer, output head) compute for one micro-batch, cached per job."""
+    key = ("cost", lay.micro_batch, lay.tp, lay.ep, lay.activation_checkpointing, job.precision,
+           job.kernel_efficiency, job.flash_attention)
+    cache = job.stats.cache
+    if key not in cache:
+        cfg, r, s, b, t = job.model, rates(job), job.seq_len, lay.micro_batch, lay.tp
+        ac, ep = lay.activation_checkpointing, lay.ep
+        fa = job.flash_attention
+        cache[key] = (layer_cost(cfg, False, s, b, t, ep, ac, r, fa),
+                      layer_cost(cfg, True, s, b, t, ep, ac, r, fa) if cfg.is_moe else FBW(),
+                      head_cost(cfg, s, b, t, r))
+    return cache[key]
+
+
+def _ep_layer_seconds(job: Job, lay: Layout, links: Links) -> float:
+    """Dispatch + combine of one MoE layer's forward for one micro-batch (the backward moves the same)."""
+    cfg = job.model
+    if not cfg.is_moe or lay.ep == 1:
+        return 0.0
+    key = ("ep", lay.micro_batch, lay.tp, lay.ep, job.precision, job.intra, job.inter)
+    cache = job.stats.cache
+    if key not in cache:
+        rpn = max(1, min(lay.ep, job.gpus_per_node // lay.tp))
+        strategy = "node" if lay.ep > rpn else "rank"
+        c_intra, c_inter = expected_uniform_copies(cfg.moe.num_experts, cfg.moe.top_k, lay.ep, rpn, strategy)
+        d_row, c_row = row_bytes(cfg.dim, cfg.moe.top_k, "fp8" if job.precision == "fp8" else "bf16")
+        tok = job.seq_len * lay.micro_batch / lay.tp
+        cache[key] = sum(links.time(tok * c_intra * row, tok * c_inter * row) for row in (d_row, c_row))
+    return cache[key]
+
+
+def _ranks(job: Job, lay: Layout) -> list[tuple]:
+    """The distinct pipeline ranks under the trainer's split and the schedule's placement:
+    (dense layers, MoE layers, holds the head, stages, non-expert params, routed-expert params)."""
+    key = ("ranks", lay.pp, lay.pp_schedule, lay.stages_per_rank)
+    cache = job.stats.cache
+    if key not in cache:
+        n = job.model.n_layers
+        if lay.pp == 1:
+            per_rank = [[(range(n), True, True)]]
+        else:
+            per_rank = [[] for _ in range(lay.pp)]
+            for spec in pipeline_layout(n, lay.pp, lay.pp_schedule, None, lay.stages_per_rank):
+                per_rank[spec.rank].append((range(spec.layers[0], spec.layers[-1] + 1), spec.embed, spec.head))
+        kinds = set()
+        for stages in per_rank:
+            n_moe = sum(job.stats.is_moe[i] for layers, _, _ in stages for i in layers)
+            n_all = sum(len(layers) for layers, _, _ in stages)
+            params = [stage_params(job, layers, embed, head) for layers, embed, head in stages]
+            kinds.add((n_all - n_moe, n_moe, any(h for _, _, h in stages), len(stages),
+                       sum(d for d, _ in params), sum(e for _, e in params)))
+        cache[key] = sorted(kinds)
+    return cache[key]
+
+
+def _rank_micro_batch(job: Job, lay: Layout, rank: tuple, links: Links) -> dict:
+    """One rank's seconds per micro-batch: compute F/B/W, TP, EP (exposed) and point-to-point."""
+    cfg = job.model
+    n_dense, n_moe, has_head, n_stages = rank[:4]
+    dense, moe, head = _layer_costs(job, lay)
+    comp = dense.scale(n_dense) + moe.scale(n_moe)
+    if has_head:
+        comp = comp + head
+    t, s, b = lay.tp, job.seq_len, lay.micro_batch
+    tp = 0.0
+    if t > 1:
+        bw, alpha = ((links.intra_gbps, links.alpha_intra_s) if t <= job.gpus_per_node
+                     else (links.inter_gbps, links.alpha_inter_s))
+        one = ring_time(s * b * cfg.dim * 2, t, 1.0, bw, alpha)
+        tp = one * (4 * n_dense + 2 * n_moe)  # forward collectives; the backward has as many
+    tp_f, tp_b = tp, tp * (2 if lay.activation_checkpointing == "full" else 1)
+    ep = _ep_layer_seconds(job, lay, links) * n_moe  # forward; backward the same
+    if job.ep_overlap and ep > 0:
+        comp = comp.scale(1 / (1 - COMM_SM_SHARE))
+        ep = max(0.0, 2 * ep - comp.total) / 2
+    p2p = 0.0
+    if lay.pp > 1:
+        p2p = n_stages * (links.alpha_inter_s + s * b * cfg.dim * 2 / t / (links.inter_gbps * 1e9))
+    fbw = FBW(comp.f + tp_f + ep + p2p, comp.b + tp_b + ep + p2p, comp.w)
+    return {"fbw": fbw, "comp": comp, "tp": tp_f + tp_b, "ep": 2 * ep, "p2p": 2 * p2p}
+
+
+def _dp_exposed(job: Job, lay: Layout, m: int, rank: tuple, comp: FBW, links: Links) -> float:
+    """Exposed data-parallel seconds per step for one pipeline rank (module doc); `comp` is its compute per
+    micro-batch (collectives overlap computation, not other communication)."""
+    dense, expert = rank[4:]
+    t = lay.tp
+    groups = [(dense / t, lay.dp_shard), (expert / (lay.ep * t), max(1, lay.dp_shard // lay.ep))]
+    spans = t * lay.dp_shard > job.gpus_per_node
+    bw, alpha = (links.inter_gbps, links.alpha_inter_s) if spans else (links.intra_gbps, links.alpha_intra_s)
+    gather = lambda n_params, n: ring_time(2 * n_params, n, 1.0, bw, alpha)  # bf16 parameters
+    reduce = lambda n_params, n: ring_time(4 * n_params, n, 1.0, bw, alpha)  # fp32 gradients
+    gathers_per_mb = 0 if (lay.zero == 1 or (lay.pp > 1 and lay.pp_schedule in ZERO_BUBBLE)) else lay.zero - 1
+    per_mb = sum(gathers_per_mb * gather(p, n) for p, n in groups)
+    step_reduce = sum(reduce(p, n) for p, n in groups)
+    step_gather = 0.0 if gathers_per_mb else sum(gather(p, n) for p, n in groups)
+    if lay.dp_replicate > 1:  # HSDP: all-reduce each shard's fp32 gradients across replicas, across nodes
+        step_reduce += sum(ring_time(4 * p / n, lay.dp_replicate, 2.0, links.inter_gbps, links.alpha_inter_s)
+                           for p, n in groups)
+    return (m * max(0.0, per_mb - comp.total) + max(0.0, step_reduce - (comp.b + comp.w))
+            + max(0.0, step_gather - comp.f))
 
 
 def step_time(job: Job, lay: Layout) -> dict[str, float]:
-    """Seconds per training step (and its parts) for the slowest pipeline stage."""
-    cfg, gpu = job.model, job.gpu
+    """Seconds per training step (and its parts) for the slowest pipeline rank."""
     links = Links(job.intra, job.inter)
     m = lay.num_micro_batches(job)
-    s, b, t = job.seq_len, lay.micro_batch, lay.tp
-    peak = gpu.peak_flops(job.precision)
-    tokens_mb = s * b  # tokens of one micro-batch of one data-parallel replica
-
-    # ---- compute ------------------------------------------------------------------------
-    st = job.stats
-    fpt, attn = st.flops_per_token, st.attn_flops_per_token
-    extra = {"none": 0.0, "selective": max(attn, 0.0) / 3, "full": fpt / 3}[lay.activation_checkpointing]
-    eff_at = lambda n: gpu.efficiency * n / (n + gpu.half_tokens)
-    n_per_gpu = tokens_mb / t
-    eff = eff_at(n_per_gpu)
-    routed = st.routed_flops_per_token
-    # an expert sees the tokens of all ep ranks that picked it: T * ep * K / E rows on average
-    n_expert = n_per_gpu * lay.ep * cfg.moe.top_k / cfg.moe.num_experts if cfg.is_moe else n_per_gpu
-    recompute = (fpt + extra) / fpt  # recomputation scales every matmul alike (close enough)
-    t_compute = tokens_mb / (t * lay.pp) * recompute * (
-        (fpt - routed) / (peak * eff) + routed / (peak * eff_at(n_expert)))
-
-    stages = stage_layers(cfg.n_layers, lay.pp)
-    layers_per_stage = max(len(r) for r in stages)
-    moe_per_stage = max(sum(st.is_moe[i] for i in r) for r in stages)
-    intra_tp = t <= job.gpus_per_node
-
-    # ---- TP: 4 all-gather/reduce-scatter per layer forward, 4 backward, each (t-1)/t of s*b*h bf16 ----
-    bw, alpha = (links.intra_gbps, links.alpha_intra_s) if intra_tp else (links.inter_gbps, links.alpha_inter_s)
-    t_tp = 8 * layers_per_stage * ring_time(tokens_mb * cfg.dim * 2, t, 1.0, bw, alpha)
-
-    # ---- EP ---------------------------------------------------------------------------------
-    t_ep = 0.0
-    if cfg.is_moe and lay.ep > 1:
-        rpn = max(1, min(lay.ep, job.gpus_per_node // t))
-        _, c_intra, c_inter = _ep_copies(cfg.moe.num_experts, cfg.moe.top_k, lay.ep, rpn)
-        d_row, c_row = row_bytes(cfg.dim, cfg.moe.top_k, "fp8" if job.precision == "fp8" else "bf16")
-        tok = tokens_mb / t
-        per_layer = sum(links.time(tok * c_intra * row, tok * c_inter * row) for row in (d_row, c_row))
-        t_ep = 2 * moe_per_stage * per_layer
-
-    # ---- PP point-to-point ---------------------------------------------------------------------
-    t_p2p = 0.0
-    if lay.pp > 1:
-        t_p2p = 2 * (links.alpha_inter_s + tokens_mb * cfg.dim * 2 / t / (links.inter_gbps * 1e9))
-
-    t_mb = t_compute + t_tp + t_ep + t_p2p
-    t_pipe = (m + lay.pp - 1) * t_mb
-
-    # ---- DP / ZeRO ------------------------------------------------------------------------------
-    per_stage = [stage_params(job, r, i == 0, i == lay.pp - 1) for i, r in enumerate(stages)]
-    dense = max(d for d, _ in per_stage) / t
-    expert = max(e for _, e in per_stage) / (lay.ep * t)
-    spans = t * lay.dp_shard > job.gpus_per_node
-    bw, alpha = (links.inter_gbps, links.alpha_inter_s) if spans else (links.intra_gbps, links.alpha_intra_s)
-    groups = [(2 * dense, lay.dp_shard), (2 * expert, max(1, lay.dp_shard // lay.ep))]
-    per_mb = per_step = 0.0
-    for nbytes, n in groups:
-        if lay.zero == 1:
-            per_step += ring_time(nbytes, n, 2.0, bw, alpha)
-        elif lay.zero == 2:
-            per_mb += ring_time(nbytes, n, 1.0, bw, alpha)
-            per_step += ring_time(nbytes, n, 1.0, bw, alpha)
-        else:
-            per_mb += ring_time(nbytes, n, 3.0, bw, alpha)
-    if lay.dp_replicate > 1:  # HSDP: all-reduce each shard across replicas, across nodes
-        for nbytes, n in groups:
-            per_step += ring_time(nbytes / n, lay.dp_replicate, 2.0, links.inter_gbps, links.alpha_inter_s)
-    t_dp = m * max(0.0, per_mb - t_compute) + max(0.0, per_step - 2 / 3 * t_compute)
-
+    per_rank = [(rank, _rank_micro_batch(job, lay, rank, links)) for rank in _ranks(job, lay)]
+    slow = max((r for _, r in per_rank), key=lambda r: r["fbw"].total)
+    fbw = slow["fbw"]
+    bubble = bubble_seconds(lay.pp_schedule, lay.pp, lay.stages_per_rank, fbw)
+    t_pipe = m * fbw.total + bubble
+    t_dp = max(_dp_exposed(job, lay, m, rank, r["comp"], links) for rank, r in per_rank)
     step = t_pipe + t_dp
-    tokens_per_gpu = job.global_batch_tokens / job.world
-    tps = tokens_per_gpu / step
+    tps = job.global_batch_tokens / job.world / step
     return {
         "step_s": step,
-        "compute_s": m * t_compute,
-        "tp_s": m * t_tp,
-        "ep_s": m * t_ep,
-        "pp_p2p_s": m * t_p2p,
-        "bubble_s": (lay.pp - 1) * t_mb,
+        "compute_s": m * slow["comp"].total,
+        "tp_s": m * slow["tp"],
+        "ep_s": m * slow["ep"],
+        "pp_p2p_s": m * slow["p2p"],
+        "bubble_s": bubble,
         "dp_exposed_s": t_dp,
-        "bubble_fraction": (lay.pp - 1) / (m + lay.pp - 1),
-        "matmul_efficiency": eff,
+        "bubble_fraction": bubble / t_pipe if t_pipe else 0.0,
         "tokens_per_s_per_gpu": tps,
-        "mfu": fpt * tps / peak,
+        "mfu": job.stats.flops_per_token * tps / job.gpu.peak_flops(job.precision),
     }
