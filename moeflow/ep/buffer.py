@@ -273,7 +273,7 @@ class Buffer:
             return self._external.dispatch(
                 x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                previous_event, async_finish, allocate_on_comm_stream)
+                previous_event, async_finish, allocate_on_comm_stream, num_experts=num_experts)
         x_TD, scales_TS = _split_x(x)
         if handle is not None:
             self._check_handle(handle, x_TD.shape[1], "dispatch")
