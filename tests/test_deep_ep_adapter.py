@@ -231,6 +231,26 @@ def case_buffer(flavour: str, tokens: list[int], W: int = 0, align: int = 1, E: 
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def case_fp8(flavour: str, tokens: list[int], E: int = 8, K: int = 2) -> None:
+    """An fp8 (x, scales) dispatch and a cached one: the same bytes as moeflow's alltoall delivers."""
+    import deep_ep
+
+    from moeflow.ep import Buffer, per_token_cast_to_fp8
+
+    deep_ep.use_flavour(flavour)
+    me = dist.get_rank()
+    idx, w = _routing(me, tokens[me], E, K, seed=4)
+    q = per_token_cast_to_fp8(torch.randn(tokens[me], 128, generator=torch.Generator().manual_seed(me)))
+    got = {}
+    for backend in ("alltoall", "uccl" if flavour == "uccl" else "deep_ep"):
+        buffer = Buffer(dist.group.WORLD, backend=backend)
+        (rx, rs), ridx, rw, counts, handle, _ = buffer.dispatch(q, topk_idx=idx, topk_weights=w, num_experts=E)
+        cx, cs = buffer.dispatch(q, handle=handle)[0]
+        got[backend] = [rx.view(torch.uint8), rs, ridx, rw, cx.view(torch.uint8), cs, torch.tensor(counts)]
+    for a, b in zip(*got.values()):
+        assert torch.equal(a, b)
+
+
 def case_async(flavour: str) -> None:
     """README's overlapped calls: layout async -> dispatch(previous_event=, async_finish, allocate_on_comm_stream)
     -> `with event:`; combine async -> current_stream_wait(). Same results as the synchronous calls; the
@@ -278,6 +298,8 @@ def case_contract() -> None:
     """The fake refuses what DeepEP V1 asserts against (so the adapter's passing calls mean something)."""
     import deep_ep
 
+    from moeflow.ep import get_dispatch_layout
+
     deep_ep.use_flavour("deep_ep")
     group, me, E = dist.group.WORLD, dist.get_rank(), 8
     _refused(lambda: deep_ep.Buffer.get_dispatch_config(1), "Unsupported number of EP ranks")
@@ -292,7 +314,9 @@ def case_contract() -> None:
     n_rank, n_node, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
     lay = dict(num_tokens_per_rank=n_rank, num_tokens_per_rdma_rank=n_node, is_token_in_rank=in_rank,
                num_tokens_per_expert=n_expert)
-    assert n_rank.dtype == n_expert.dtype == torch.int32 and in_rank.dtype == torch.bool and n_node is None
+    want = get_dispatch_layout(idx, E, dist.get_world_size())  # moeflow's, an independent implementation
+    for a, b in zip((n_rank, n_node, n_expert, in_rank), want):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), (a, b)
     _refused(lambda: buf.dispatch(x, **{**lay, "is_token_in_rank": None}, topk_idx=idx, topk_weights=w),
              "layout tensors")
     _refused(lambda: buf.dispatch(x, **{**lay, "num_tokens_per_rank": n_rank.long()}, topk_idx=idx,
@@ -399,6 +423,8 @@ CASES = [
     ("buffer deep_ep", "case_buffer", dict(flavour="deep_ep", tokens=[6, 4], align=4)),
     ("buffer uccl, zero tokens on rank 0", "case_buffer", dict(flavour="uccl", tokens=[0, 5], seed=1)),
     ("buffer num_worst_tokens", "case_buffer", dict(flavour="deep_ep", tokens=[6, 4], W=12, seed=2)),
+    ("fp8 deep_ep", "case_fp8", dict(flavour="deep_ep", tokens=[5, 2])),
+    ("fp8 uccl", "case_fp8", dict(flavour="uccl", tokens=[3, 6])),
     ("async deep_ep", "case_async", dict(flavour="deep_ep")),
     ("async uccl", "case_async", dict(flavour="uccl")),
     ("mutations", "case_adapter_mutations", {}),
