@@ -58,7 +58,7 @@ def test_world_size_one_is_refused_with_the_fix():
     assert "1 rank" in msg and "parallel.ep >= 2" in msg and "backend='auto'" in msg, msg
 
 
-def test_uccl_needs_ucccl_drop_in():
+def test_uccl_needs_the_uccl_drop_in():
     from moeflow.ep import Buffer
 
     with fake_deep_ep("deep_ep"), pytest.raises(RuntimeError, match="not UCCL-EP's drop-in"):

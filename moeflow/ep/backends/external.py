@@ -109,7 +109,7 @@ def _shared_buffer(lib, group, num_ranks: int, hidden_bytes: int):
             num_nvl_bytes = max(num_nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
             num_rdma_bytes = max(num_rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
     if entry is not None:
-        entry["buffer"] = None  # drop ours before building the next (handles in flight keep theirs alive)
+        entry["buffer"] = None  # drop ours before building the next (autograd contexts keep theirs alive)
     buffer = lib.Buffer(group, num_nvl_bytes, num_rdma_bytes)
     _SHARED[key] = {"group": group, "buffer": buffer, "hidden_bytes": hidden_bytes}
     return buffer

@@ -391,7 +391,7 @@ class DeepEPBuffer:
         _int32_vector("src_idx", src_idx, N)
         T = send_head.size(0)
         _int32_matrix("send_head", send_head, T, R)
-        assert in_rank.dtype == torch.bool and tuple(in_rank.shape) == (T, R)
+        assert in_rank.dtype == torch.bool and tuple(in_rank.shape) == (T, R), "fake: a corrupt handle"
         K = 0
         if topk_weights is not None:
             assert topk_weights.dim() == 2 and topk_weights.is_contiguous() and topk_weights.size(0) == N \
