@@ -80,6 +80,10 @@ class TrainingConfig:
     """'auto' (CUDA when present, else CPU), 'cpu' or 'cuda'."""
 
 
+EP_BACKENDS = ("auto", "alltoall", "hierarchical", "allgather", "deep_ep", "uccl")
+DEEP_EP_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)  # keys of DeepEP V1's get_dispatch_config
+
+
 @dataclass
 class ParallelConfig:
     dp_replicate: int = 1
@@ -99,7 +103,11 @@ class ParallelConfig:
     pp_microbatches: int = 0
     """Pipeline micro-batches per step; 0 = per-rank batch / training.micro_batch (one sequence each if unset)."""
     ep_backend: str = "auto"
-    """moeflow.ep backend: 'auto', 'alltoall', 'hierarchical', 'allgather'."""
+    """How EP moves tokens: moeflow.ep's own 'auto', 'alltoall', 'hierarchical', 'allgather' (any
+    torch.distributed backend), or the installed `deep_ep` package: 'deep_ep' (DeepEP, or UCCL-EP's drop-in) or
+    'uccl' (UCCL-EP's drop-in only). DeepEP needs CUDA GPUs, training.dtype='bf16' (its combine kernels are bf16)
+    and an EP size of 2, 4 or 8 in a node, or 16, 24, 32, 48, 64, 96, 128, 144 or 160 across nodes. With ep=1 no
+    tokens move and it is unused."""
     ep_overlap: bool = True
     """Expert parallelism: start each dispatch / combine asynchronously and wait as late as possible (the shared
     experts, and other chunks' experts, compute meanwhile), in forward and backward; results equal off."""
@@ -176,6 +184,7 @@ class JobConfig:
         if not 0 < self.data.val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
         check_choice("data.token_dtype", self.data.token_dtype, ("uint16", "uint32"))
+        check_choice("parallel.ep_backend", self.parallel.ep_backend, EP_BACKENDS)
         p = self.parallel
         if p.ep_overlap_chunks < 1:
             raise ValueError(f"parallel.ep_overlap_chunks must be at least 1, got {p.ep_overlap_chunks}")
@@ -191,6 +200,14 @@ class JobConfig:
         dims = ParallelDims(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
                             zero=p.zero, pp_schedule=p.pp_schedule)
         dims.check_model(self.model)
+        if p.ep_backend in ("deep_ep", "uccl") and dims.ep > 1 and dims.ep not in DEEP_EP_SIZES:
+            # The library's own config table decides at start-up (UCCL-EP lacks 48 and 96); this is the part
+            # both share, checked before any rank starts: DeepEP V1's get_dispatch_config keys.
+            raise ValueError(
+                f"parallel.ep = {dims.ep} with parallel.ep_backend = {p.ep_backend!r}: DeepEP runs EP groups of 2, 4, "
+                f"8 (one node) or {', '.join(map(str, DEEP_EP_SIZES[3:]))} ranks; choose one of those for "
+                f"parallel.ep, or parallel.ep_backend = 'auto' (moeflow's own dispatch takes any size)"
+            )
         return dims, dims.split_batch(t.global_batch, t.micro_batch, p.pp_microbatches)
 
 

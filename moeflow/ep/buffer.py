@@ -274,6 +274,11 @@ class Buffer:
         pass
 
     # ---- layout -----------------------------------------------------------------------------------
+    @property
+    def is_external(self) -> bool:
+        """Tokens move through the installed deep_ep package (backend 'deep_ep' / 'uccl')."""
+        return self._external is not None
+
     def check_num_experts(self, num_experts: int) -> None:
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % self.group_size:
             R = self.group_size
@@ -314,7 +319,7 @@ class Buffer:
             return self._external.dispatch(
                 x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                previous_event, async_finish, allocate_on_comm_stream)
+                previous_event, async_finish, allocate_on_comm_stream, num_experts=num_experts)
         if previous_event is not None:
             previous_event.current_stream_wait()
         x_TD, scales_TS = _split_x(x)

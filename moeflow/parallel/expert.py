@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.ep.buffer import Buffer
+from moeflow.ep.buffer import Buffer, EventOverlap
 from moeflow.models.moe import Dispatched, GroupedExperts, MoE, sort_by_expert, weighted_sum_back
 
 
@@ -52,7 +52,7 @@ class ExpertParallelDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor):
         W = self._rows(x_TD.shape[0])
-        if W and self.buffer.backend_name != "deep_ep":
+        if W and not self.buffer.is_external:
             # Static sizes: the layout tensors are computed inside dispatch, without checking the ids' values
             # (get_dispatch_layout reads them back to the host to refuse bad ids).
             layout = {"num_experts": self.num_experts}
@@ -65,17 +65,28 @@ class ExpertParallelDispatcher:
                       "is_token_in_rank": in_rank, "num_tokens_per_expert": per_expert}
         recv_x_ND, recv_idx_NK, recv_w_NK, _, handle, event = self.buffer.dispatch(
             x_TD, topk_idx=topk_idx_TK, topk_weights=topk_weights_TK, num_worst_tokens=W,
-            async_finish=self.overlap, **layout)
+            async_finish=self._async, **layout)
         return _Arriving(self, event, recv_x_ND, recv_idx_NK, recv_w_NK, handle, static=bool(W))
+
+    @property
+    def _async(self) -> bool:
+        # The deep_ep adapter's backward is synchronous and its events are the library's: overlap is moeflow's.
+        return self.overlap and not self.buffer.is_external
 
     def combine(self, y_PD: torch.Tensor, d: Dispatched, x_TD: torch.Tensor):
         out_ND = weighted_sum_back(y_PD, d, x_TD)
-        out_TD, _, event = self.buffer.combine(out_ND, d.handle, async_finish=self.overlap)
+        out_TD, _, event = self.buffer.combine(out_ND, d.handle, async_finish=self._async)
         return out_TD, event
 
     def gather(self, outs: list) -> torch.Tensor:
-        arrived = [event.wait(out_TD)[0] for out_TD, event in outs]
+        arrived = [_wait(event, out_TD)[0] for out_TD, event in outs]
         return arrived[0] if len(arrived) == 1 else torch.cat(arrived)
+
+
+def _wait(event, *tensors) -> tuple:
+    """moeflow's EventOverlap.wait (an autograd node: backward overlaps too). deep_ep's calls are made
+    synchronously here (its event holds nothing to wait for)."""
+    return event.wait(*tensors) if isinstance(event, EventOverlap) else tensors
 
 
 class _Arriving:
@@ -88,7 +99,7 @@ class _Arriving:
 
     def arrive(self) -> Dispatched:
         recv_x_ND, recv_idx_NK, recv_w_NK = self.recv
-        recv_x_ND, recv_w_NK = self.event.wait(recv_x_ND, recv_w_NK)
+        recv_x_ND, recv_w_NK = _wait(self.event, recv_x_ND, recv_w_NK)
         local = sort_by_expert(recv_x_ND, recv_idx_NK, recv_w_NK, self.dispatcher.num_local_experts, self.static)
         local.handle = self.handle
         return local
