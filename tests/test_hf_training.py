@@ -61,14 +61,19 @@ def test_train_from_hf_path_starts_at_the_transformers_loss(hf_folder, tmp_path)
     assert summary["steps"] == 2
 
 
-def test_a_converted_run_directory_trains_from_the_weights(hf_folder, tmp_path):
+def test_a_converted_run_directory_trains_from_the_weights(hf_folder, tmp_path, capsys):
+    """`moeflow convert hf-to-moeflow SRC RUN` then `moeflow train --run-dir RUN` (no --config): the run
+    directory's config.toml is the model, and training resumes from checkpoints/step-0 (weights only)."""
     folder, hf_model = hf_folder
     run = tmp_path / "run"
     assert cli_main(["convert", "hf-to-moeflow", str(folder), str(run)]) == 0
     cfg = load_config(run / "config.toml", {**_overrides(tmp_path), "run_dir": str(run)})
     want = _transformers_first_loss(cfg, hf_model)
-    summary = train(cfg, progress=False)  # resumes from checkpoints/step-0: weights only, fresh optimizer
-    assert summary["start_step"] == 0
+    argv = [f"--{k}={v}" for k, v in _overrides(tmp_path).items()]
+    assert cli_main(["train", "--run-dir", str(run), *argv, "--no-progress"]) == 0
+    assert "continuing with" in capsys.readouterr().err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["start_step"] == 0 and summary["checkpoint"].endswith("step-2")
     assert _first_loss(run) == pytest.approx(want, rel=1e-5)
 
 
