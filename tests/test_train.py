@@ -172,10 +172,21 @@ def test_compiled_blocks_train_the_same_steps(tiny_args, tmp_path):
         assert compiled[step] == pytest.approx(eager[step], rel=1e-5)
 
 
-def test_bf16_autocast_trains(tiny_args, tmp_path):
-    summary = train(_cfg(tiny_args, tmp_path, "--training.steps=8", "--training.dtype=bf16", "--training.lr=1e-2",
-                         "--checkpoint.enabled=false"), progress=False)
-    assert summary["final_loss"] < summary["first_loss"]
+def test_bf16_autocast_trains_the_fp32_steps_within_a_tolerance(tiny_args, tmp_path):
+    """bf16 autocast (weights and AdamW state stay fp32) against the same 8 steps in fp32: every loss within 2e-3
+    relative and every gradient norm within 2e-2 (measured here: 3e-4 and 3.3e-3), yet not bit-equal at step 1
+    (autocast is on). Under ep, tp and pp: tests/test_layouts.py."""
+    runs = {}
+    for dtype in ("fp32", "bf16"):
+        summary = train(_cfg(tiny_args, tmp_path / dtype, "--training.steps=8", f"--training.dtype={dtype}",
+                             "--training.lr=1e-2", "--checkpoint.enabled=false"), progress=False)
+        grad_norms = {r["step"]: r["grad_norm"] for r in map(json.loads, (tmp_path / dtype / "metrics.jsonl").open())}
+        runs[dtype] = (_losses(tmp_path / dtype), grad_norms, summary)
+    (fp32, fp32_norms, _), (bf16, bf16_norms, summary) = runs["fp32"], runs["bf16"]
+    assert bf16[1] != fp32[1]
+    assert bf16 == pytest.approx(fp32, rel=2e-3)
+    assert bf16_norms == pytest.approx(fp32_norms, rel=2e-2)
+    assert summary["final_loss"] < 0.9 * summary["first_loss"]
 
 
 def test_expert_parallel_run_matches_one_process_and_resumes(tiny_args, tmp_path):

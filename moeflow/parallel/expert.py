@@ -33,9 +33,12 @@ class ExpertParallelDispatcher:
         # DeepEP's call sequence (its README): the layout first, then dispatch with every layout tensor, so the
         # same code drives moeflow's backends and deep_ep / uccl.
         per_rank, per_node, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx_TK, self.num_experts)
+        # Buffer takes float32 weights (DeepEP's format); under bf16 autocast the router's come out bf16, and they
+        # go back to that dtype on arrival (exactly) so the experts weight rows as the single-process MoE does.
         recv_x_ND, recv_idx_NK, recv_w_NK, _, handle, _ = self.buffer.dispatch(
             x_TD, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx_TK, topk_weights=topk_weights_TK)
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx_TK, topk_weights=topk_weights_TK.float())
+        recv_w_NK = recv_w_NK.to(topk_weights_TK.dtype)
         local = sort_by_expert(recv_x_ND, recv_idx_NK, recv_w_NK, self.num_local_experts)
         local.handle = handle
         return local
