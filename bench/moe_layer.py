@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tables import DISPLAY_NAMES  # noqa: E402  (bench/, the script's folder)
+from readme_figures import DISPLAY_NAMES  # noqa: E402  (bench/, the script's folder)
 
 from moeflow.models import moe as moe_mod  # noqa: E402
 from moeflow.models.config import ModelConfig, MoEConfig  # noqa: E402

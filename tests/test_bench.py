@@ -10,23 +10,23 @@ import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
-import tables  # noqa: E402
+import readme_figures  # noqa: E402
 
 
 def test_readme_figures_equal_the_committed_benchmark_output():
-    assert tables.stale_blocks() == []
+    assert readme_figures.stale_blocks() == []
 
 
 def test_a_changed_figure_is_caught():
-    texts = {f: (tables.REPO / f).read_text() for f in ("README.md", "bench/README.md")}
-    for name, (file, _, _) in tables.BLOCKS.items():
-        block = tables._pattern(name).search(texts[file])
+    texts = {f: (readme_figures.REPO / f).read_text() for f in ("README.md", "bench/README.md")}
+    for name, (file, _, _) in readme_figures.BLOCKS.items():
+        block = readme_figures._pattern(name).search(texts[file])
         digit = next(i for i, c in enumerate(block.group(2)) if c.isdigit())
         start = block.start(2) + digit
         changed = texts[file][:start] + str((int(texts[file][start]) + 1) % 10) + texts[file][start + 1:]
-        assert [s.split()[0] for s in tables.stale_blocks({**texts, file: changed})] == [name]
+        assert [s.split()[0] for s in readme_figures.stale_blocks({**texts, file: changed})] == [name]
     removed = texts["bench/README.md"].replace("<!-- bench:train_layouts -->", "")
-    assert "no <!-- bench:train_layouts -->" in tables.stale_blocks({**texts, "bench/README.md": removed})[0]
+    assert "no <!-- bench:train_layouts -->" in readme_figures.stale_blocks({**texts, "bench/README.md": removed})[0]
 
 
 def test_bench_archs_take_the_names_the_readme_uses():

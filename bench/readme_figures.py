@@ -1,12 +1,12 @@
 """The figures README.md and bench/README.md show, rendered from the committed benchmark output in bench/results/.
 
-    .venv/bin/python bench/tables.py            # rewrite the marked blocks of both READMEs from bench/results/*.json
-    .venv/bin/python bench/tables.py --check    # exit 1, naming each block, when a README differs from the JSON
-    .venv/bin/python bench/tables.py --record-make-train runs/default/summary.json   # after `make train`
+    .venv/bin/python bench/readme_figures.py          # rewrite both READMEs' marked blocks from bench/results/*.json
+    .venv/bin/python bench/readme_figures.py --check  # exit 1, naming each block, when a README differs from the JSON
+    .venv/bin/python bench/readme_figures.py --record-make-train runs/default/summary.json  # after `make train`
 
 A block sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` (an HTML comment: invisible on GitHub).
 To refresh the figures of a block, run its benchmark with `--out bench/results`, then this script, and commit
-both; tests/test_bench.py fails while a README and the JSON disagree. No torch import here.
+both; tests/test_bench.py fails while a README and the JSON disagree. Only --record-make-train imports torch.
 
 | block | file | written by |
 |---|---|---|
@@ -42,7 +42,7 @@ DENSE = ("llama", "qwen3")
 def _load(name: str) -> dict:
     path = RESULTS / f"{name}.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; the docstring of bench/tables.py says which script writes it")
+        raise FileNotFoundError(f"{path} is missing; bench/readme_figures.py's docstring says which script writes it")
     return json.loads(path.read_text())
 
 
@@ -195,7 +195,7 @@ def stale_blocks(texts: dict[str, str] | None = None) -> list[str]:
         if m is None:
             out.append(f"{name}: no <!-- bench:{name} --> ... <!-- /bench:{name} --> markers in {file}")
         elif m.group(2) != rendered(name):
-            out.append(f"{name} ({file}): differs from bench/results; run `python bench/tables.py`")
+            out.append(f"{name} ({file}): differs from bench/results; run `python bench/readme_figures.py`")
     return out
 
 
