@@ -323,7 +323,7 @@ def load_run_config(run_dir: str | Path, overrides: dict[str, typing.Any] | None
     if changed:
         key = changed[0]
         flags = [k for k in overrides if k == key] or [k for k in overrides if k.startswith("model.")]
-        named = " ".join(f"--{k}={overrides[k]}" for k in flags)
+        named = " ".join(f"--{k}={overrides[k]}" for k in flags) or "the run's settings now"
         raise ValueError(
             f"{named} changes the model of the run in {run_dir} ({key} = {before.get(key)!r} in {path}, "
             f"{after.get(key)!r} with the override), whose checkpoints hold the model of its config.toml; drop "
