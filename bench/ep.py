@@ -8,8 +8,9 @@ top-8 of 64, Zipf-skewed top-8 of 64, DeepSeek-V3-style group-limited top-8 of 2
 inside / across nodes of one dispatch + combine (summed over ranks), and the median time of
 dispatch + combine after warm-up. The baseline (`pair`, what TorchTitan's and Megatron's all-to-all
 dispatchers do) is measured in the same run: one copy per valid (token, expert) pair, one count exchange,
-one all_to_all_single each way, weighted sum at the source. Writes bench/out/ep.{json,png} and prints
-a table plus the machine and versions.
+one all_to_all_single each way, weighted sum at the source. Writes bench/out/ep.{json,png} (--out DIR
+elsewhere; bench/results holds the published run that README.md shows) and prints a table plus the machine
+and versions.
 
 Shape legend: T tokens per rank, K top-k, E experts, D hidden, R ranks, P (token, expert) pairs.
 """
@@ -224,6 +225,7 @@ def main(argv=None) -> None:
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--out", default=OUT, help="folder for ep.json and ep.png (bench/results: the published figures)")
     args = p.parse_args(argv)
     quick = dict(worlds="2,8", tokens=128, hidden=512, warmup=1, repeats=3)
     full = dict(worlds="2,4,8", tokens=512, hidden=1024, warmup=2, repeats=7)
@@ -238,22 +240,23 @@ def main(argv=None) -> None:
             mp.spawn(_worker, args=(world, args, tmp), nprocs=world, join=True)
             with open(os.path.join(tmp, "rows.json")) as f:
                 rows += json.load(f)
-    os.makedirs(OUT, exist_ok=True)
+    out = args.out
+    os.makedirs(out, exist_ok=True)
     meta = dict(machine=platform.machine(), cpu_count=os.cpu_count(), python=platform.python_version(),
                 torch=torch.__version__, platform=platform.platform(), args=vars(args),
                 note="local gloo processes over TCP loopback; 'nodes' are simulated with ranks_per_node")
     for r in rows:
         r["model_ms"] = model_ms(r)
-    with open(os.path.join(OUT, "ep.json"), "w") as f:
+    with open(os.path.join(out, "ep.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    _plot(rows, os.path.join(OUT, "ep.png"))
+    _plot(rows, os.path.join(out, "ep.png"))
     print(f"# {meta['platform']}, {meta['cpu_count']} CPUs, python {meta['python']}, torch {meta['torch']}")
     print(f"# T={args.tokens} tokens/rank, D={args.hidden} bf16, top-8; median of {args.repeats} after "
           f"{args.warmup} warm-up; speedup = baseline time / time")
     print(f"# model ms: bytes per rank / ({MODEL_GBPS['intra']:.0f} GB/s intra, {MODEL_GBPS['inter']:.0f} GB/s "
           "inter), NOT measured; 'ms' and 'speedup' are measured here over loopback")
     print(_table(rows))
-    print(f"wrote {OUT}/ep.json and {OUT}/ep.png")
+    print(f"wrote {out}/ep.json and {out}/ep.png")
 
 
 if __name__ == "__main__":

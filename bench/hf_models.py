@@ -31,7 +31,7 @@ for path in (REPO, REPO / "bench"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from moe_layer import Case, machine_info, time_cases  # noqa: E402
+from moe_layer import DISPLAY_NAMES, Case, machine_info, parse_archs, time_cases  # noqa: E402
 
 from moeflow.models.hf import from_pretrained  # noqa: E402
 
@@ -115,7 +115,8 @@ def build_cases(args, folder_root: Path) -> tuple[list[Case], dict]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--archs", default=",".join(ARCHS), help=f"comma list of {', '.join(ARCHS)}")
+    p.add_argument("--archs", default=",".join(ARCHS),
+                   help=f"comma list of {', '.join(f'{DISPLAY_NAMES[a]} ({a})' for a in ARCHS)}")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--hidden", type=int, default=256, help="D")
@@ -132,9 +133,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out")
     args = p.parse_args(argv)
-    args.archs = [a for a in args.archs.split(",") if a]
-    if set(args.archs) - set(ARCHS):
-        p.error(f"--archs: choose from {', '.join(ARCHS)}")
+    try:
+        args.archs = parse_archs(args.archs, ARCHS)
+    except ValueError as e:
+        p.error(str(e))
     if args.quick:
         args.repeats, args.warmup = 2, 1
     return args

@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import sys
 import time
@@ -47,6 +48,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from readme_figures import DISPLAY_NAMES  # noqa: E402  (bench/, the script's folder)
 
 from moeflow.models import moe as moe_mod  # noqa: E402
 from moeflow.models.config import ModelConfig, MoEConfig  # noqa: E402
@@ -228,6 +231,7 @@ def check_agreement(mf: dict, hf: dict, x, dy) -> dict:
 # ---- per-architecture blocks ---------------------------------------------------------------
 
 ARCHS = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
+# --archs takes either spelling: the model_type keys above, or what README.md calls them (DISPLAY_NAMES).
 HF_EXPERT_IMPLS = ("eager", "grouped_mm", "batched_mm")  # transformers 5's experts_implementation choices
 # batched_mm gathers each routed row's expert weights ([T*K, 2F, D]: GBs at the default shape) and is 20-40x slower
 # than the others on a CPU; timed in a few separate runs after the interleaved ones, so that its memory traffic
@@ -403,17 +407,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eager", action="store_true", help="skip hf[eager] and moeflow[loop] (slow at large E)")
     p.add_argument("--archs", default=",".join(ARCHS),
-                   help=f"architectures for the per-architecture table (comma list of {', '.join(ARCHS)}; '' skips)")
+                   help="architectures for the per-architecture table, comma list of "
+                   f"{', '.join(f'{DISPLAY_NAMES[a]} ({a})' for a in ARCHS)}; '' skips")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out", help="folder for the JSON and PNG")
     args = p.parse_args(argv)
-    args.archs = [a for a in args.archs.split(",") if a]
-    unknown = set(args.archs) - set(ARCHS)
-    if unknown:
-        p.error(f"--archs: unknown {sorted(unknown)}; choose from {', '.join(ARCHS)}")
+    try:
+        args.archs = parse_archs(args.archs, ARCHS)
+    except ValueError as e:
+        p.error(str(e))
     if args.quick:
         args.repeats, args.warmup = 3, 1
     args.ffn = args.ffn or args.hidden
     return args
+
+
+def parse_archs(text: str, choices: tuple[str, ...]) -> list[str]:
+    """'Qwen3-MoE,mixtral' -> ['qwen3_moe', 'mixtral']: model_type keys or display names, any case; '' -> []."""
+    def norm(name: str) -> str:
+        return re.sub(r"[\s_-]", "", name.lower())
+
+    lookup = {norm(k): k for k in choices} | {norm(DISPLAY_NAMES[k]): k for k in choices}
+    out = []
+    for name in filter(None, (a.strip() for a in text.split(","))):
+        if norm(name) not in lookup:
+            known = ", ".join(f"{DISPLAY_NAMES[k]} ({k})" for k in choices)
+            raise ValueError(f"--archs: unknown architecture {name!r}; choose from {known}")
+        if lookup[norm(name)] not in out:
+            out.append(lookup[norm(name)])
+    return out
 
 
 def ratio(a: float, b: float) -> float:

@@ -8,7 +8,8 @@ parameters, gradients and AdamW state measured on the live model (local shards o
 rank). Baselines measured or computed in the same run: the single-process run (tokens/s, and the full
 model's bytes) and the ideal 1/N share of those bytes. On this 2-core machine several ranks share two
 cores, so tokens/s shows overheads, not the speed-up a GPU cluster gets; the bytes are what they are
-anywhere. Writes bench/out/train.{json,png} and prints a table plus the machine and versions.
+anywhere. Writes bench/out/train.{json,png} (--out DIR elsewhere; bench/results holds the published run that
+bench/README.md shows) and prints a table plus the machine and versions.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def write_png(rows: list[dict], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 measured steps instead of 6")
+    ap.add_argument("--out", default=OUT, help="folder for train.json and train.png (bench/results: the published "
+                    "figures)")
     args = ap.parse_args()
     steps, warmup = (2, 1) if args.quick else (6, 2)
     results = {}
@@ -135,11 +138,11 @@ def main() -> None:
         print(f"{r['layout']:<12} {r['world']:>5} {r['tokens_per_s']:>8.0f} {r['speed_vs_1_process']:>6.2f} "
               f"{r['params_bytes'] / 1e6:>10.2f} {r['grads_bytes'] / 1e6:>9.2f} {r['optim_bytes'] / 1e6:>8.2f} "
               f"{r['ideal_bytes'] / 1e6:>9.2f} {r['state_over_ideal']:>7.2f}")
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "train.json"), "w") as fh:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "train.json"), "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-    write_png(rows, os.path.join(OUT, "train.png"))
-    print(f"wrote {OUT}/train.json and train.png")
+    write_png(rows, os.path.join(args.out, "train.png"))
+    print(f"wrote {args.out}/train.json and train.png")
 
 
 if __name__ == "__main__":

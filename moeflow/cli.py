@@ -20,13 +20,15 @@ commands:
 def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moeflow train",
-        description="Train a model. Settings come from defaults, then --config FILE (TOML), then "
+        description="Train a model. Settings come from defaults, then --config FILE (TOML; without it, "
+        "RUN_DIR/config.toml when --run-dir holds one), then "
         "--section.key=value overrides (e.g. --training.steps=100 --model.name=tiny-dense). "
         "Training resumes automatically from the newest complete checkpoint in --run-dir.",
         epilog="All settings: moeflow train --help-config. Effective config: --print-config.",
     )
     p.add_argument("--config", help="TOML job file (see configs/)")
-    p.add_argument("--run-dir", help="output folder for metrics, TensorBoard and checkpoints (run_dir)")
+    p.add_argument("--run-dir", help="output folder for metrics, TensorBoard and checkpoints (run_dir); when it "
+                   "holds a config.toml and --config is not given, that file is the starting point")
     p.add_argument("--resume", action="store_true", help="require a checkpoint to resume from (error if none)")
     p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in the run dir")
     p.add_argument("--nproc-per-node", type=int, default=None,
@@ -58,12 +60,17 @@ def cmd_train(argv: list[str]) -> int:
     if args.help_config:
         print(_help_config())
         return 0
-    from moeflow.config import load_config, parse_overrides, to_toml
+    from moeflow.config import load_config, load_run_config, parse_overrides, to_toml
 
     overrides = parse_overrides(rest)
     if args.run_dir:
         overrides["run_dir"] = args.run_dir
-    cfg = load_config(args.config, overrides)  # validate before starting any process
+    # A run directory continues with the config it was started with, unless --config names another.
+    cfg = load_run_config(args.run_dir, overrides) if args.run_dir and not args.config else None
+    if cfg is not None and "LOCAL_RANK" not in os.environ:
+        print(f"moeflow train: continuing with {args.run_dir}/config.toml (the run directory's config; "
+              f"--config FILE starts from another)", file=sys.stderr)
+    cfg = cfg or load_config(args.config, overrides)  # validate before starting any process
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0

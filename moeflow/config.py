@@ -337,6 +337,33 @@ def load_config(path: str | Path | None = None, overrides: dict[str, typing.Any]
     return cfg.validate()
 
 
+def load_run_config(run_dir: str | Path, overrides: dict[str, typing.Any] | None = None) -> JobConfig | None:
+    """The config a run directory holds (its config.toml) with `overrides` applied, or None when it has none.
+
+    Overrides of how to train apply; one that changes the model's shape (or its name or Hugging Face source) is
+    refused, naming it, since the directory's checkpoints hold the model of its config.toml. training.stop_at
+    belongs to the invocation that set it (a time-limited allocation), so it starts at 0 again."""
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        return None
+    overrides = {"training.stop_at": 0, **(overrides or {})}
+    saved = load_config(path, {"run_dir": str(run_dir)}).model
+    cfg = load_config(path, overrides)
+    before = {"model.name": saved.name, "model.hf_path": saved.hf_path, **saved.shape_settings()}
+    after = {"model.name": cfg.model.name, "model.hf_path": cfg.model.hf_path, **cfg.model.shape_settings()}
+    changed = [k for k in {**before, **after} if before.get(k) != after.get(k)]
+    if changed:
+        key = changed[0]
+        flags = [k for k in overrides if k == key] or [k for k in overrides if k.startswith("model.")]
+        named = " ".join(f"--{k}={overrides[k]}" for k in flags) or "the run's settings now"
+        raise ValueError(
+            f"{named} changes the model of the run in {run_dir} ({key} = {before.get(key)!r} in {path}, "
+            f"{after.get(key)!r} with the override), whose checkpoints hold the model of its config.toml; drop "
+            f"the override to continue this run, or train the changed model in another --run-dir"
+        )
+    return cfg
+
+
 def to_toml(cfg) -> str:
     """The config as TOML (what --print-config shows), one section per dataclass."""
     lines: list[str] = []
@@ -369,5 +396,6 @@ def _toml_value(v) -> str:
 
 __all__ = [
     "JobConfig", "DataConfig", "TrainingConfig", "ParallelConfig", "EvalConfig", "MetricsConfig",
-    "CheckpointConfig", "ModelConfig", "MoEConfig", "load_config", "parse_overrides", "to_toml", "all_keys",
+    "CheckpointConfig", "ModelConfig", "MoEConfig", "load_config", "load_run_config", "parse_overrides", "to_toml",
+    "all_keys",
 ]

@@ -206,6 +206,71 @@ def case_oracle(ctx, routing, backend, G, D=8):
     assert torch.equal(again, recv_x * 2)
 
 
+def _dest_ranks(topk_idx_TK: torch.Tensor, t: int, L: int) -> list[int]:
+    return sorted({int(e) // L for e in topk_idx_TK[t] if e >= 0})
+
+
+def _bf16_combine_oracle(vals_by_rank: dict[int, torch.Tensor], G: int, round_node_partials: bool) -> torch.Tensor:
+    """One token's combine, written out: float32 sums over each node's ranks (ascending), nodes ascending, one
+    rounding to bf16 at the end; with `round_node_partials` each node's partial sum is rounded to bf16 before
+    the nodes are summed (what crosses nodes in bf16: the hierarchical backend, as DeepEP's internode combine)."""
+    total = torch.zeros_like(next(iter(vals_by_rank.values())), dtype=torch.float32)
+    for node in sorted({r // G for r in vals_by_rank}):
+        partial = torch.zeros_like(total)
+        for r in sorted(r for r in vals_by_rank if r // G == node):
+            partial = partial + vals_by_rank[r].float()
+        total = total + (partial.bfloat16().float() if round_node_partials else partial)
+    return total.bfloat16()
+
+
+def case_bf16(ctx, routing, backend, G, D=32, shows_rounding=False):
+    """bf16 x through dispatch, stand-in experts and combine (and backward) against an oracle written here, not
+    moeflow.ep.reference: every received row bit for bit, every combined token as _bf16_combine_oracle sums its
+    copies (hierarchical: the per-node partial sums rounded to bf16), and within two bf16 roundings of the exact
+    sum. With `shows_rounding`, a hierarchical layout with nodes of several ranks must make the partial rounding
+    visible in the data (so the comparison can tell it from none)."""
+    E, K, me, R = routing["E"], routing["K"], ctx.rank, ctx.world
+    L = E // R
+    idxs, xs, ws = build(routing, D)
+    xb = [x.bfloat16() for x in xs]
+    scale = [torch.tensor(0.75 + 0.375 * r, dtype=torch.bfloat16) for r in range(R)]  # rank r's expert: x * c_r
+    g = [torch.randn(t.shape[0], D, generator=torch.Generator().manual_seed(31 + s)).bfloat16()
+         for s, t in enumerate(idxs)]
+    buf = ctx.buf(backend, G)
+    x = xb[me].clone().requires_grad_()
+    recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idxs[me], topk_weights=ws[me], num_experts=E)
+    # rows: (source rank, token) order, the bf16 payload untouched, weights of this rank's experts only
+    sent = [(s, t) for s in range(R) for t in range(idxs[s].shape[0]) if me in _dest_ranks(idxs[s], t, L)]
+    want_x = torch.stack([xb[s][t] for s, t in sent]) if sent else torch.zeros(0, D, dtype=torch.bfloat16)
+    assert recv_x.dtype == torch.bfloat16 and torch.equal(recv_x, want_x), (recv_x, want_x)
+    for row, (s, t) in enumerate(sent):
+        mine = (idxs[s][t] // L == me) & (idxs[s][t] >= 0)
+        assert torch.equal(recv_w[row], torch.where(mine, ws[s][t], torch.zeros(K))), (s, t)
+    out, _, _ = buf.combine(recv_x * scale[me], handle)
+    (out.float() * g[me].float()).sum().backward()
+
+    hierarchical = backend == "hierarchical"
+    assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    for t in range(idxs[me].shape[0]):
+        dest = _dest_ranks(idxs[me], t, L)
+        if not dest:
+            assert (out[t] == 0).all() and (x.grad[t] == 0).all()
+            continue
+        vals = {r: xb[me][t] * scale[r] for r in dest}  # bf16 products, as each rank computes them
+        want = _bf16_combine_oracle(vals, G, hierarchical)
+        assert torch.equal(out[t], want), (t, out[t], want)
+        exact = sum(v.double() for v in vals.values())
+        bound = 2 * 2.0 ** -8 * sum(v.double().abs() for v in vals.values())  # two roundings of unit 2^-8
+        assert ((out[t].double() - exact).abs() <= bound).all()
+        # backward: dispatch of g (exact), times c_r in bf16, then a combine of those rows
+        grads = {r: g[me][t] * scale[r] for r in dest}
+        assert torch.equal(x.grad[t], _bf16_combine_oracle(grads, G, hierarchical)), t
+    if shows_rounding and hierarchical and 1 < G < R:  # all ranks' tokens: some element must differ
+        assert any(not torch.equal(_bf16_combine_oracle(v, G, True), _bf16_combine_oracle(v, G, False))
+                   for s in range(R) for t in range(idxs[s].shape[0])
+                   for v in [{r: xb[s][t] * scale[r] for r in _dest_ranks(idxs[s], t, L)}] if v)
+
+
 def case_layout_only(ctx, routing, backend, G, D=8):
     """dispatch from is_token_in_rank alone (no topk_idx): the same rows as the reference."""
     from moeflow.ep import reference
@@ -265,7 +330,36 @@ def case_low_latency(ctx, routing, G, D=8):
     assert torch.equal(out, outr[me]), (out - outr[me]).abs().max()
     if D % 128 == 0:
         (fx, fs), count8, _, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], Tm, E, use_fp8=True)
-        assert torch.equal(count8, count) and fx.dtype == torch.float8_e4m3fn
+        assert torch.equal(count8, count) and fx.dtype == torch.float8_e4m3fn and fs.dtype == torch.float32
+        slots = (E // ctx.world, ctx.world * Tm)
+        assert fx.shape == (*slots, D) and fs.shape == (*slots, D // 128)
+        _check_ll_fp8_slots(fx, fs, xs, idxs, E, me)
+
+
+def _fp8_oracle(x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP's per-token fp8 format, written out: per 128 columns, scale = max(amax, 1e-4) / 448 and the values
+    x / scale in float8_e4m3fn."""
+    T, D = x_TD.shape
+    blocks = x_TD.float().view(T, D // 128, 128)
+    scale = blocks.abs().amax(dim=2).clamp(min=1e-4) / 448.0
+    return (blocks / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(T, D), scale
+
+
+def _check_ll_fp8_slots(fx, fs, xs, idxs, E, me):
+    """Local expert l's slots hold, in (source rank, token) order, the fp8 bytes and scales of every token that
+    chose it, and dequantize to within e4m3's precision of x (3 mantissa bits: relative 2^-4, plus the subnormal
+    step 2^-9 of the scale)."""
+    R = len(xs)
+    L = E // R
+    for l_ in range(L):
+        rows = [(s, t) for s in range(R) for t in range(idxs[s].shape[0]) if bool((idxs[s][t] == me * L + l_).any())]
+        for slot, (s, t) in enumerate(rows):
+            q, scale = _fp8_oracle(xs[s][t:t + 1])
+            assert torch.equal(fx[l_, slot].view(torch.uint8), q[0].view(torch.uint8)), (l_, slot, s, t)
+            assert torch.equal(fs[l_, slot], scale[0]), (l_, slot, s, t)
+            back = (fx[l_, slot].float().view(-1, 128) * fs[l_, slot].unsqueeze(1)).view(-1)
+            err = (back - xs[s][t]).abs()
+            assert (err <= 2.0 ** -4 * xs[s][t].abs() + scale[0].repeat_interleave(128) * 2.0 ** -9 + 1e-12).all()
 
 
 def _expect(fn, *needles):
@@ -515,5 +609,5 @@ CASES = {
     "static_overflow": case_static_overflow, "overlap": case_overlap, "host_syncs": case_host_syncs,
     "reference": case_reference, "oracle": case_oracle, "layout_only": case_layout_only, "fp8": case_fp8,
     "low_latency": case_low_latency, "bad_inputs": case_bad_inputs, "timeout": case_timeout, "moe": case_moe,
-    "sim_bytes": case_sim_bytes,
+    "sim_bytes": case_sim_bytes, "bf16": case_bf16,
 }

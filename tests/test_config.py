@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from moeflow.config import JobConfig, all_keys, field_docs, load_config, parse_overrides, to_toml
+from moeflow.cli import main as cli_main
+from moeflow.config import JobConfig, all_keys, field_docs, load_config, load_run_config, parse_overrides, to_toml
 
 
 def test_every_setting_has_a_docstring():
@@ -69,3 +70,39 @@ def test_missing_and_invalid_config_files(tmp_path):
 
 def test_field_docs_reads_the_string_under_each_field():
     assert field_docs(JobConfig)["run_dir"].startswith("Where metrics")
+
+
+def _run_dir(tmp_path, *args):
+    """A run directory as the trainer leaves it: config.toml holding the effective config."""
+    cfg = load_config(None, parse_overrides([*args, f"--run_dir={tmp_path}"]))
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    return cfg
+
+
+def test_a_run_directory_config_is_the_starting_point(tmp_path, capsys):
+    saved = _run_dir(tmp_path, "--model.name=tiny-dense", "--model.dim=32", "--model.n_heads=2", "--training.lr=0.5")
+    assert load_run_config(tmp_path / "elsewhere") is None
+    cfg = load_run_config(tmp_path, parse_overrides(["--training.lr=0.25", "--model.dim=32", "--model.n_kv_heads=2",
+                                                     "--model.rope_theta=500000"]))
+    # how to train (and settings equal to the saved shape, or the same shape spelled out) apply
+    assert (cfg.model.name, cfg.model.dim, cfg.model.n_heads, cfg.training.lr) == ("tiny-dense", 32, 2, 0.25)
+    assert cfg.model.rope_theta == 500000 and cfg.model.shape_settings() == saved.model.shape_settings()
+    # the command line: --run-dir alone gives the saved model, not the default preset
+    assert cli_main(["train", "--run-dir", str(tmp_path), "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert 'name = "tiny-dense"' in printed and "dim = 32" in printed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.dim=64"], r"--model.dim=64 changes the model of the run in .* \(model.dim = 32 in .*config.toml, 64"),
+    (["--model.n_heads=4"], r"--model.n_heads=4 changes .*model.n_heads = 2"),
+    (["--model.moe.num_experts=8"], r"--model.moe.num_experts=8 changes .*model.moe.num_experts = 4"),
+    (["--model.name=tiny-dense"], r"--model.name=tiny-dense changes .*model.name = 'tiny-moe'"),
+    (["--model.vocab_size=512", "--training.lr=1"], r"--model.vocab_size=512 changes .*another --run-dir"),
+])
+def test_an_override_that_changes_a_run_directory_model_is_refused(tmp_path, capsys, args, message):
+    _run_dir(tmp_path, "--model.dim=32", "--model.n_heads=2", "--model.moe.num_experts=4")
+    with pytest.raises(ValueError, match=message):
+        load_run_config(tmp_path, parse_overrides(args))
+    assert cli_main(["train", "--run-dir", str(tmp_path), *args, "--print-config"]) == 2
+    assert "changes the model of the run" in capsys.readouterr().err

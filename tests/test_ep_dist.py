@@ -80,6 +80,9 @@ def cases_for(R: int, layouts: list[tuple[str, int]], n_drawn: int, moe: bool, t
         cases.append((f"static_overflow {tag}", "static_overflow", dict(routing=routings["drawn0"], G=G)))
         cases.append((f"layout_only {tag}", "layout_only", dict(routing=routings["drawn1"], backend=backend, G=G)))
         cases.append((f"fp8 {tag}", "fp8", dict(routing=routings["topk_equals_num_experts"], backend=backend, G=G)))
+        for rname in ("topk_equals_num_experts", "minus_one_and_empty_rank", "drawn0"):
+            cases.append((f"bf16 {tag}/{rname}", "bf16", dict(routing=routings[rname], backend=backend, G=G,
+                                                             shows_rounding=rname == "topk_equals_num_experts")))
     cases.append(("low_latency fp8", "low_latency", dict(routing=ll_routing(routings["drawn2"]), G=1, D=128)))
     cases.append(("bad_inputs", "bad_inputs", dict(G=layouts[0][1])))
     if moe:

@@ -41,15 +41,42 @@ def test_bytes_by_hand_match_the_doc():
     assert L.traffic_bytes(idx, 8, 2, "rank", 1, 1).dispatch_bytes_inter == 1
 
 
+def _counted_copy_by_copy(idx, E: int, G: int, level: str, dispatch_row: int, combine_row: int) -> L.TrafficBytes:
+    """docs/ep-bytes.md's 'rank' and 'node' strategies, token by token with Python sets (no moeflow code)."""
+    R = len(idx)
+    intra = inter = 0
+    for s, idx_TK in enumerate(idx):
+        for experts in idx_TK.tolist():
+            ranks = {e // (E // R) for e in experts if e >= 0}
+            if level == "rank":
+                intra += sum(1 for r in ranks if r != s and r // G == s // G)
+                inter += sum(1 for r in ranks if r // G != s // G)
+                continue
+            for node in {r // G for r in ranks}:
+                peer = node * G + s % G  # the forwarding rank: our local rank on that node (s on our own node)
+                inter += node != s // G
+                intra += sum(1 for r in ranks if r // G == node and r != peer)
+    return L.TrafficBytes(intra * dispatch_row, inter * dispatch_row, intra * combine_row, inter * combine_row)
+
+
 def test_bounds_order_on_random_routings():
     g = torch.Generator().manual_seed(0)
     idx = [torch.randint(-1, 32, (20, 4), generator=g) for _ in range(8)]
     pair, rank, node = (L.traffic_bytes(idx, 32, 4, s, 1, 1) for s in ("pair", "rank", "node"))
     assert rank.dispatch_bytes_inter <= pair.dispatch_bytes_inter
     assert node.dispatch_bytes_inter <= rank.dispatch_bytes_inter
-    assert L.lower_bound_bytes(idx, 32, 4, 1, 1, level="node") == node
     with pytest.raises(ValueError, match="ranks_per_node"):
         L.traffic_bytes(idx, 32, 3, "rank", 1, 1)
+
+
+@pytest.mark.parametrize("G", [1, 2, 4, 8])
+def test_lower_bounds_equal_a_copy_by_copy_count(G):
+    # 8 ranks, 32 experts; -1 entries, repeated experts, a rank without tokens; rows of 10 and 3 bytes.
+    g = torch.Generator().manual_seed(G)
+    idx = [torch.randint(-1, 32, (0 if s == 5 else 24, 4), generator=g) for s in range(8)]
+    idx[2][:, 1] = idx[2][:, 0]
+    for level in ("rank", "node"):
+        assert L.lower_bound_bytes(idx, 32, G, 10, 3, level=level) == _counted_copy_by_copy(idx, 32, G, level, 10, 3)
 
 
 def test_row_bytes():

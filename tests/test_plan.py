@@ -278,12 +278,52 @@ def test_advice_text_names_layout():
     assert "FSDP" in adv.tools and "dp_shard=" in adv.text
 
 
+def _timed_matmul_flops(tokens: int, width: int = 512) -> float:
+    """FLOP/s of [tokens, width] @ [width, width] in fp32, timed here: best of 5 runs of ~0.2 GFLOP each."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(tokens, width), torch.randn(width, width)
+    iters = max(1, int(2e8 // (2 * tokens * width * width)))
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a @ b
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return 2 * tokens * width * width / best
+
+
+def _timed_copy_gbps(nbytes: int = 4 << 20) -> float:
+    import time
+
+    import torch
+
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
 @pytest.mark.slow
-def test_calibrate_smoke():
+def test_calibrate_predicts_a_matmul_timed_here():
+    """The calibrated device's rate(n) = peak * n / (n + half_tokens) against matmuls timed in this test, at the
+    two sizes it was fitted on and one between them (a factor of 2: two measurements on a shared machine); its
+    all-reduce bandwidth is positive and below 4x what one process copies in memory."""
     from moeflow.plan.calibrate import calibrate
 
     gpu = calibrate(2)
-    assert gpu.bf16_tflops > 0 and gpu.intra_gbps > 0 and gpu.half_tokens >= 1 - 1e-9
+    for tokens in (32, 256, 1024):
+        predicted = gpu.peak_flops("bf16") * gpu.efficiency * tokens / (tokens + gpu.half_tokens)
+        measured = _timed_matmul_flops(tokens)
+        assert 0.5 < predicted / measured < 2, (tokens, predicted, measured, gpu)
+    assert 0 < gpu.intra_gbps < 4 * _timed_copy_gbps(), gpu
+
 
 
 # ---- pipeline schedules ----------------------------------------------------------------------------------

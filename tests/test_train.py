@@ -48,6 +48,20 @@ def test_resume_gives_exactly_the_uninterrupted_losses(tiny_args, tmp_path):
     assert _losses(split) == _losses(full)  # fp32, same layout: bit-for-bit equal
 
 
+def test_a_run_started_with_model_flags_resumes_from_its_run_directory(tiny_args, tmp_path):
+    """`moeflow train --run-dir D` continues with D/config.toml: a run started with --model.* flags resumes
+    without repeating them, on the uninterrupted run's losses."""
+    from moeflow.cli import main as cli_main
+
+    full, split = tmp_path / "full", tmp_path / "split"
+    base = ["train", *tiny_args, "--training.steps=4", "--no-progress"]
+    assert cli_main([*base, f"--run-dir={full}"]) == 0
+    assert cli_main([*base, f"--run-dir={split}", "--training.stop_at=2"]) == 0
+    # stop_at was for the first invocation only; the run's config.toml gives everything else
+    assert cli_main(["train", f"--run-dir={split}", "--resume", "--no-progress"]) == 0
+    assert _losses(split) == _losses(full)  # fp32, same layout: bit-for-bit equal
+
+
 def test_incomplete_and_corrupted_checkpoints_are_refused(tiny_args, tmp_path):
     cfg = _cfg(tiny_args, tmp_path, "--training.steps=6", "--checkpoint.every=2", "--checkpoint.keep=3")
     train(cfg, progress=False)
@@ -158,10 +172,21 @@ def test_compiled_blocks_train_the_same_steps(tiny_args, tmp_path):
         assert compiled[step] == pytest.approx(eager[step], rel=1e-5)
 
 
-def test_bf16_autocast_trains(tiny_args, tmp_path):
-    summary = train(_cfg(tiny_args, tmp_path, "--training.steps=8", "--training.dtype=bf16", "--training.lr=1e-2",
-                         "--checkpoint.enabled=false"), progress=False)
-    assert summary["final_loss"] < summary["first_loss"]
+def test_bf16_autocast_trains_the_fp32_steps_within_a_tolerance(tiny_args, tmp_path):
+    """bf16 autocast (weights and AdamW state stay fp32) against the same 8 steps in fp32: every loss within 2e-3
+    relative and every gradient norm within 2e-2 (measured here: 3e-4 and 3.3e-3), yet not bit-equal at step 1
+    (autocast is on). Under ep, tp and pp: tests/test_layouts.py."""
+    runs = {}
+    for dtype in ("fp32", "bf16"):
+        summary = train(_cfg(tiny_args, tmp_path / dtype, "--training.steps=8", f"--training.dtype={dtype}",
+                             "--training.lr=1e-2", "--checkpoint.enabled=false"), progress=False)
+        grad_norms = {r["step"]: r["grad_norm"] for r in map(json.loads, (tmp_path / dtype / "metrics.jsonl").open())}
+        runs[dtype] = (_losses(tmp_path / dtype), grad_norms, summary)
+    (fp32, fp32_norms, _), (bf16, bf16_norms, summary) = runs["fp32"], runs["bf16"]
+    assert bf16[1] != fp32[1]
+    assert bf16 == pytest.approx(fp32, rel=2e-3)
+    assert bf16_norms == pytest.approx(fp32_norms, rel=2e-2)
+    assert summary["final_loss"] < 0.9 * summary["first_loss"]
 
 
 def test_expert_parallel_run_matches_one_process_and_resumes(tiny_args, tmp_path):
@@ -181,9 +206,10 @@ def test_expert_parallel_run_matches_one_process_and_resumes(tiny_args, tmp_path
     assert sorted(b) == [1, 2, 3, 4]
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5)
-    # The ep=2 checkpoint reshards: one process continues it to step 6 on the losses of the 1-process run.
+    # The ep=2 checkpoint reshards: one process continues it to step 6 on the losses of the 1-process run
+    # (the run directory's config.toml says ep=2, so the new layout is given).
     for run in ("one", "ep"):
-        more = run_cli([*args, f"--run-dir={tmp_path / run}", "--training.steps=6", "--resume"])
+        more = run_cli([*args, f"--run-dir={tmp_path / run}", "--training.steps=6", "--resume", "--parallel.ep=1"])
         assert more.returncode == 0, more.stderr[-3000:]
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "ep")
     assert sorted(b) == [1, 2, 3, 4, 5, 6]

@@ -243,6 +243,30 @@ class ModelConfig:
                 f"({r.low_freq_factor}); Llama 3.1 uses 4 and 1"
             )
 
+    def shape_settings(self) -> dict[str, object]:
+        """The settings (effective values) that decide the parameters' shapes: what a checkpoint of this model
+        fixes. Settings that change only the computation (RoPE, routing, norms' epsilon) are not here."""
+        shape: dict[str, object] = {
+            "model.vocab_size": self.vocab_size, "model.dim": self.dim, "model.n_layers": self.n_layers,
+            "model.n_heads": self.n_heads, "model.tie_embeddings": self.tie_embeddings,
+            "model.attention": self.attention, "model.moe.num_experts": self.moe.num_experts,
+        }
+        if self.attention == "gqa":
+            shape.update({"model.n_kv_heads": self.kv_heads, "model.head_dim": self.hd, "model.qk_norm": self.qk_norm,
+                          "model.attention_bias": self.attention_bias})
+        else:
+            shape.update({f"model.{k}": getattr(self, k) for k in (
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")})
+        if not self.is_moe or self.moe.first_k_dense:
+            shape["model.ffn_dim"] = self.ffn_dim
+        if self.is_moe:
+            m = self.moe
+            shape.update({"model.moe.ffn_dim": m.ffn_dim, "model.moe.first_k_dense": m.first_k_dense,
+                          "model.moe.num_shared_experts": m.num_shared_experts})
+            if m.num_shared_experts:
+                shape["model.moe.shared_ffn_dim"] = m.shared_ffn_dim or m.ffn_dim
+        return shape
+
     # ---- parameter counts ----------------------------------------------------------------
     def attention_params(self) -> int:
         d = self.dim

@@ -63,10 +63,13 @@ class ExpertParallelDispatcher:
                                                                                           self.num_experts)
             layout = {"num_tokens_per_rank": per_rank, "num_tokens_per_rdma_rank": per_node,
                       "is_token_in_rank": in_rank, "num_tokens_per_expert": per_expert}
+        # Buffer takes float32 weights (DeepEP's format); under bf16 autocast the router's come out bf16, and they
+        # go back to that dtype on arrival (exactly) so the experts weight rows as the single-process MoE does.
         recv_x_ND, recv_idx_NK, recv_w_NK, _, handle, event = self.buffer.dispatch(
-            x_TD, topk_idx=topk_idx_TK, topk_weights=topk_weights_TK, num_worst_tokens=W,
+            x_TD, topk_idx=topk_idx_TK, topk_weights=topk_weights_TK.float(), num_worst_tokens=W,
             async_finish=self._async, **layout)
-        return _Arriving(self, event, recv_x_ND, recv_idx_NK, recv_w_NK, handle, static=bool(W))
+        return _Arriving(self, event, recv_x_ND, recv_idx_NK, recv_w_NK, handle, static=bool(W),
+                         weight_dtype=topk_weights_TK.dtype)
 
     @property
     def _async(self) -> bool:
@@ -93,13 +96,15 @@ class _Arriving:
     """A dispatch in flight; arrive() waits for it and sorts the received rows by local expert."""
 
     def __init__(self, dispatcher: ExpertParallelDispatcher, event, recv_x_ND, recv_idx_NK, recv_w_NK, handle,
-                 static: bool):
+                 static: bool, weight_dtype: torch.dtype):
         self.dispatcher, self.event, self.handle, self.static = dispatcher, event, handle, static
+        self.weight_dtype = weight_dtype
         self.recv = (recv_x_ND, recv_idx_NK, recv_w_NK)
 
     def arrive(self) -> Dispatched:
         recv_x_ND, recv_idx_NK, recv_w_NK = self.recv
         recv_x_ND, recv_w_NK = _wait(self.event, recv_x_ND, recv_w_NK)
+        recv_w_NK = recv_w_NK.to(self.weight_dtype)
         local = sort_by_expert(recv_x_ND, recv_idx_NK, recv_w_NK, self.dispatcher.num_local_experts, self.static)
         local.handle = self.handle
         return local

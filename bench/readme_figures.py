@@ -1,0 +1,248 @@
+"""The figures README.md and bench/README.md show, rendered from the committed benchmark output in bench/results/.
+
+    .venv/bin/python bench/readme_figures.py          # rewrite both READMEs' marked blocks from bench/results/*.json
+    .venv/bin/python bench/readme_figures.py --check  # exit 1, naming each block, when a README differs from the JSON
+    .venv/bin/python bench/readme_figures.py --record-make-train runs/default/summary.json  # after `make train`
+
+A block sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` (an HTML comment: invisible on GitHub).
+To refresh the figures of a block, run its benchmark with `--out bench/results`, then this script, and commit
+both; tests/test_bench.py fails while a README and the JSON disagree. Only --record-make-train imports torch.
+
+| block | file | written by |
+|---|---|---|
+| make_train | README.md | `make train`, then `--record-make-train` |
+| ep | README.md | `bench/ep.py --worlds 8 --out bench/results` |
+| hf_speed | README.md | `bench/moe_layer.py --out bench/results` and `bench/hf_models.py --out bench/results` |
+| plan | README.md | `bench/plan_vs_measured.py --out bench/results` |
+| train_layouts | bench/README.md | `bench/train.py --out bench/results` |
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# What README.md calls each architecture (bench/moe_layer.py's --archs takes these too).
+DISPLAY_NAMES = {"llama": "Llama 3", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "olmoe": "OLMoE",
+                 "deepseek_v3": "DeepSeek-V3"}
+DENSE = ("llama", "qwen3")
+
+
+def _load(name: str) -> dict:
+    path = RESULTS / f"{name}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; bench/readme_figures.py's docstring says which script writes it")
+    return json.loads(path.read_text())
+
+
+def _range(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
+
+
+def _wrap(paragraph: str) -> str:
+    return textwrap.fill(paragraph, width=110, break_long_words=False, break_on_hyphens=False)
+
+
+def _sci(v: float) -> str:
+    """4.1e-06 -> '4e-6'."""
+    mantissa, exponent = f"{v:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _ms(v: float) -> str:
+    return f"{v:.1f}" if v < 1000 else f"{v:,.0f}"
+
+
+# ---- blocks ---------------------------------------------------------------------------------------------------
+
+
+def make_train() -> str:
+    from moeflow.cli import format_summary
+
+    r = _load("make_train")
+    m = r["machine"]
+    return (f"Measured on {m['cpu_count']} CPU cores, torch {m['torch']} (`bench/results/make_train.json`):\n\n"
+            "```" + format_summary(r["summary"]) + "\n```")
+
+
+EP_ROUTINGS = {"uniform-64": "uniform, 64 experts", "zipf-64": "Zipf, 64 experts",
+               "deepseek-256": "DeepSeek-V3 group-limited, 256"}
+EP_BACKENDS = ("pair", "alltoall", "hierarchical")
+
+
+def ep() -> str:
+    r = _load("ep")
+    args, meta = r["meta"]["args"], r["meta"]
+    rows = {(x["routing"], x["backend"]): x for x in r["rows"] if x["world"] == 8 and x["ranks_per_node"] == 4}
+    lines = [_wrap(f"`bench/ep.py` (8 ranks as 2 nodes x 4 on {meta['cpu_count']} CPU cores, torch {meta['torch']}; "
+                   f"{args['tokens']} tokens/rank, hidden {args['hidden']} bf16, top-8, median of {args['repeats']}) "
+                   "against the TorchTitan/Megatron baseline of one copy per (token, expert) pair:"), "",
+             "| routing | backend | MB across nodes | vs baseline | measured ms | speed-up |",
+             "|---|---|---|---|---|---|"]
+    inter = lambda x: (x["dispatch_inter"] + x["combine_inter"]) / 1e6  # noqa: E731
+    for routing, label in EP_ROUTINGS.items():
+        base = rows[routing, "pair"]
+        for backend in EP_BACKENDS:
+            x = rows[routing, backend]
+            name = "pair (baseline)" if backend == "pair" else backend
+            lines.append(f"| {label} | {name} | {inter(x):.1f} | {inter(x) / inter(base):.2f} | {x['time_ms']:.1f} | "
+                         f"{base['time_ms'] / x['time_ms']:.2f}x |")
+    return "\n".join(lines)
+
+
+def hf_speed() -> str:
+    block, model = _load("moe_layer"), _load("hf_models")
+    arch_rows = (block.get("architectures") or {}).get("rows", {})
+    diffs = [v for r in arch_rows.values() for k, d in r["agreement"].items() if k != "output_scale"
+             for v in (d["output"], d["input_grad"])]
+    diffs += [v for r in model["rows"].values() for k, v in r.items() if "diff" in k]
+    m = block["machine"]
+    lines = [_wrap(f"Speed, measured by `bench/moe_layer.py` and `bench/hf_models.py` with the same weights on both "
+                   f"sides ({m['torch_threads']} threads on {m['logical_cpus']} CPU cores, torch {m['torch']}, "
+                   f"transformers {m['transformers']}, fp32, medians of interleaved repeats; outputs agree to "
+                   f"{_sci(max(diffs))}; `bench/results/moe_layer.json`, `hf_models.json`):"), "",
+             "| architecture | MoE block fwd+bwd ms: moeflow | transformers eager / grouped_mm / batched_mm | whole "
+             "model tokens/s: moeflow | transformers eager / grouped_mm |", "|---|---|---|---|---|"]
+    block_x, moe_x, dense_x = [], [], []
+    for arch, label in DISPLAY_NAMES.items():
+        b, w = arch_rows.get(arch), model["rows"].get(arch)
+        cells = ["", ""]
+        if b:
+            hf_ms = b["hf_ms"]
+            cells = [_ms(b["moeflow_ms"]), " / ".join(_ms(hf_ms[i]) for i in ("eager", "grouped_mm", "batched_mm"))]
+            block_x.append(b["speedup_vs_fastest_hf"])
+        if w:
+            hf = w["hf_tokens_per_s"]
+            impls = ["hf"] if arch in DENSE else ["hf[eager]", "hf[grouped_mm]"]
+            cells += [f"{w['moeflow_tokens_per_s']:,.0f}", " / ".join(f"{hf[i]:,.0f}" for i in impls)]
+            (dense_x if arch in DENSE else moe_x).append(w["speedup_vs_fastest_hf"])
+        else:
+            cells += ["", ""]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    s, ms = block["shape"], model["shape"]
+    lines += ["", _wrap(f"Block: {s['tokens']} tokens, {s['experts']} experts, top-{s['topk']}, D = {s['hidden']}, F = "
+              f"{s['ffn']}. Whole model: {ms['batch']} x {ms['seq']} tokens, D = {ms['hidden']}, "
+              f"{ms['layers']} layers, {ms['experts']} experts of width {ms['ffn']}, top-{ms['topk']}. moeflow's "
+              f"speed over transformers' fastest experts path: {_range(block_x)} on a block, {_range(moe_x)} on a "
+              f"whole MoE model, {_range(dense_x)} on the dense models (above 1x: moeflow is faster).")]
+    return "\n".join(lines)
+
+
+def plan() -> str:
+    r = _load("plan_vs_measured")
+    return f"Spearman {r['spearman']:.2f} over {len(r['rows'])} one-process layouts"
+
+
+TRAIN_NOTES = {"dp2 zero2": "at rest", "tp2": "MoE layers replicated over tp", "pp2 1F1B": "embedding / head stages",
+               "hsdp 2x2": "two replicas"}
+
+
+def train_layouts() -> str:
+    r = _load("train")
+    meta = r["meta"]
+    lines = [_wrap(f"`train.py`, measured on {meta['cpu_count']} shared CPU cores, torch {meta['torch']} "
+                   f"(`bench/results/train.json`: median of {meta['steps']} steps after {meta['warmup']} warm-up; "
+                   f"{' '.join(f'`{a}`' for a in meta['model'])}); per-rank state is the largest rank's parameters + "
+                   "gradients + AdamW moments."), "",
+             "| layout | ranks | tok/s | vs 1 process | state MB per rank | ideal total/N MB | state / ideal |",
+             "|---|---|---|---|---|---|---|"]
+    for x in r["rows"]:
+        state = (x["params_bytes"] + x["grads_bytes"] + x["optim_bytes"]) / 1e6
+        note = f" ({TRAIN_NOTES[x['layout']]})" if x["layout"] in TRAIN_NOTES else ""
+        lines.append(f"| {x['layout']} | {x['world']} | {x['tokens_per_s']:.0f} | {x['speed_vs_1_process']:.2f} | "
+                     f"{state:.2f} | {x['ideal_bytes'] / 1e6:.2f} | {x['state_over_ideal']:.2f}{note} |")
+    return "\n".join(lines)
+
+
+# block name -> (file, renderer, inline: the block sits inside a sentence)
+BLOCKS = {
+    "make_train": ("README.md", make_train, False),
+    "ep": ("README.md", ep, False),
+    "hf_speed": ("README.md", hf_speed, False),
+    "plan": ("README.md", plan, True),
+    "train_layouts": ("bench/README.md", train_layouts, False),
+}
+
+
+def _pattern(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- bench:{name} -->)(.*?)(<!-- /bench:{name} -->)", re.DOTALL)
+
+
+def rendered(name: str) -> str:
+    _, render, inline = BLOCKS[name]
+    return render() if inline else "\n" + render() + "\n\n"  # the blank line ends a table before the marker
+
+
+def stale_blocks(texts: dict[str, str] | None = None) -> list[str]:
+    """Names of the blocks whose text in the READMEs (or in `texts`, {file: text}) is not what the JSON gives,
+    with why; [] when every figure matches."""
+    texts = texts or {f: (REPO / f).read_text() for f, _, _ in BLOCKS.values()}
+    out = []
+    for name, (file, _, _) in BLOCKS.items():
+        m = _pattern(name).search(texts[file])
+        if m is None:
+            out.append(f"{name}: no <!-- bench:{name} --> ... <!-- /bench:{name} --> markers in {file}")
+        elif m.group(2) != rendered(name):
+            out.append(f"{name} ({file}): differs from bench/results; run `python bench/readme_figures.py`")
+    return out
+
+
+def write_all() -> list[str]:
+    changed = []
+    for file in sorted({f for f, _, _ in BLOCKS.values()}):
+        path = REPO / file
+        text = path.read_text()
+        new = text
+        for name, (f, _, _) in BLOCKS.items():
+            if f == file:
+                if not _pattern(name).search(new):
+                    raise ValueError(f"{file} has no <!-- bench:{name} --> ... <!-- /bench:{name} --> markers")
+                new = _pattern(name).sub(lambda m, name=name: m.group(1) + rendered(name) + m.group(3), new)
+        if new != text:
+            path.write_text(new)
+            changed.append(file)
+    return changed
+
+
+def record_make_train(summary_path: str) -> Path:
+    """Copy a `make train` summary.json into bench/results/make_train.json with the machine it ran on."""
+    import torch
+
+    out = RESULTS / "make_train.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"command": "make train", "summary": json.loads(Path(summary_path).read_text()),
+              "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                          "python": platform.python_version()}}
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 when a README's figures differ from the JSON")
+    p.add_argument("--record-make-train", metavar="SUMMARY_JSON", help="store a `make train` summary.json first")
+    args = p.parse_args(argv)
+    if args.record_make_train:
+        print(f"wrote {record_make_train(args.record_make_train)}")
+    if args.check:
+        stale = stale_blocks()
+        print("\n".join(stale) or "every README figure matches bench/results")
+        return 1 if stale else 0
+    print(f"rewrote {', '.join(write_all()) or 'nothing (already current)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

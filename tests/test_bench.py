@@ -1,0 +1,42 @@
+"""The figures the READMEs show are the committed benchmark output (bench/results/*.json), and the benchmark
+scripts take the names the READMEs use."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+import readme_figures  # noqa: E402
+
+
+def test_readme_figures_equal_the_committed_benchmark_output():
+    assert readme_figures.stale_blocks() == []
+
+
+def test_a_changed_figure_is_caught():
+    texts = {f: (readme_figures.REPO / f).read_text() for f in ("README.md", "bench/README.md")}
+    for name, (file, _, _) in readme_figures.BLOCKS.items():
+        block = readme_figures._pattern(name).search(texts[file])
+        digit = next(i for i, c in enumerate(block.group(2)) if c.isdigit())
+        start = block.start(2) + digit
+        changed = texts[file][:start] + str((int(texts[file][start]) + 1) % 10) + texts[file][start + 1:]
+        assert [s.split()[0] for s in readme_figures.stale_blocks({**texts, file: changed})] == [name]
+    removed = texts["bench/README.md"].replace("<!-- bench:train_layouts -->", "")
+    assert "no <!-- bench:train_layouts -->" in readme_figures.stale_blocks({**texts, "bench/README.md": removed})[0]
+
+
+def test_bench_archs_take_the_names_the_readme_uses():
+    pytest.importorskip("transformers")
+    import hf_models
+    import moe_layer
+
+    assert moe_layer.parse_args(["--archs", "Qwen3-MoE,mixtral,OLMoE,deepseek-v3,qwen3_moe"]).archs == [
+        "qwen3_moe", "mixtral", "olmoe", "deepseek_v3"]
+    assert moe_layer.parse_args(["--archs", ""]).archs == []
+    assert hf_models.parse_args(["--archs", "Llama 3,Qwen3,DeepSeek-V3"]).archs == ["llama", "qwen3", "deepseek_v3"]
+    with pytest.raises(ValueError, match=r"unknown architecture 'Qwen2'; choose from Qwen3-MoE \(qwen3_moe\)"):
+        moe_layer.parse_archs("Qwen2", moe_layer.ARCHS)
