@@ -97,7 +97,9 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (borrowed from the data-parallel ranks)."""
     zero: int = 3
-    """ZeRO stage: 1 (replicated weights, one gradient all-reduce, ZeroRedundancyOptimizer), 2 or 3 (FSDP2)."""
+    """ZeRO stage, all through FSDP2 (gradients reduce-scattered, AdamW state and fp32 master weights sharded
+    over the data-parallel ranks; experts over the expert-data-parallel ones): 1 gathers the parameters once
+    per step and keeps them through its micro-batches, 2 from each forward to its backward, 3 per layer."""
     pp_schedule: str = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
     pp_microbatches: int = 0

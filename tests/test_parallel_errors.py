@@ -14,7 +14,7 @@ BAD = [
     (["--parallel.pp=2", "--model.n_layers=1"], 2, ["parallel.pp (2) is larger than model.n_layers (1)"]),
     (["--parallel.pp=2", "--parallel.pp_schedule=Zigzag"], 2, ["Zigzag", "1F1B", "GPipe"]),
     (["--parallel.pp=2", "--parallel.pp_microbatches=3"], 2, ["micro-batches (3) must divide"]),
-    (["--parallel.zero=1", "--parallel.ep=2"], 2, ["parallel.zero = 1", "not supported yet"]),
+    (["--parallel.zero=4"], 2, ["parallel.zero = 4", "use 1"]),
     (["--parallel.tp=2", "--model.name=deepseek-v3"], 2, ["not supported with parallel.tp > 1"]),
 ]
 

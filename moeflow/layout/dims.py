@@ -65,11 +65,9 @@ class ParallelDims:
                 f"whose ranks it borrows; choose ep in {divisors(self.dp_shard)}"
             )
         if self.zero not in (1, 2, 3):
-            raise ValueError(f"parallel.zero = {self.zero}; use 1 (replicated parameters, sharded optimizer state), "
-                             f"2 (FSDP2, parameters kept gathered between forward and backward) or 3 (FSDP2)")
-        if self.zero == 1 and (self.dp < self.world_size or self.ep > 1):
-            raise ValueError(f"parallel.zero = 1 with {self.describe()} is not supported yet: ZeRO-1 runs pure data "
-                             f"parallelism only; use --parallel.zero=3 (or 2) with tp, pp or ep")
+            raise ValueError(f"parallel.zero = {self.zero}; use 1 (parameters gathered once per step, gradients and "
+                             f"optimizer state sharded), 2 (parameters gathered from each forward to its backward) "
+                             f"or 3 (parameters gathered per layer)")
         self.pp_schedule = resolve_schedule(self.pp_schedule)
 
     # ---- derived sizes -------------------------------------------------------------------------------

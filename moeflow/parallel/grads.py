@@ -1,4 +1,4 @@
-"""Gradients of a parallelized model: the global norm, clipping, and ZeRO-1's all-reduce.
+"""Gradients of a parallelized model: the global norm and clipping.
 
 Gradients are DTensors on different meshes (experts on the expert mesh, the rest on the data mesh, 2-D with
 tp), which torch's clip_grad_norm_ cannot stack, so each rank sums the squares of the elements it is the one to
@@ -64,9 +64,8 @@ def grad_norm_sq_local(model: nn.Module, tp_mesh=None) -> torch.Tensor:
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, state: ParallelState | None = None) -> torch.Tensor:
     """Clip the global gradient norm of a model parallelized as `state` describes (None: not parallelized);
-    returns the norm before clipping. ZeRO-1 ranks all hold the whole averaged gradient."""
-    distributed = (state is not None and state.dims.world_size > 1 and state.grad_group is None
-                   and dist.is_initialized())
+    returns the norm before clipping."""
+    distributed = state is not None and state.dims.world_size > 1 and dist.is_initialized()
     if distributed:
         sq = grad_norm_sq_local(model, state.tp_mesh)  # may replace partial gradients by reduced ones: read after
         dist.all_reduce(sq)
@@ -80,19 +79,3 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, state: ParallelState | No
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(local, coef)
     return norm
-
-
-def all_reduce_gradients(model: nn.Module, state: ParallelState) -> None:
-    """ZeRO-1: average the gradients over the data-parallel ranks, in one flat buffer (one collective instead of
-    one per tensor, as DDP's buckets do). A no-op for layouts whose wrappers (FSDP2) reduce themselves."""
-    group = state.grad_group
-    if group is None:
-        return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()

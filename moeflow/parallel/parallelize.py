@@ -61,8 +61,9 @@ def parallelize(
     group; returns its ParallelState.
 
     Sizes: pass `dims` (a validated moeflow.layout.ParallelDims), or the keywords dp_replicate x dp_shard x tp x
-    pp = world size (dp_shard=-1: the rest), ep (borrowed from dp_shard), zero (1: replicated weights and sharded
-    AdamW state; 2: FSDP2, weights kept gathered from forward to backward; 3: FSDP2) and pp_schedule (GPipe, 1F1B,
+    pp = world size (dp_shard=-1: the rest), ep (borrowed from dp_shard), zero (all FSDP2, sharding gradients and
+    AdamW state with fp32 master weights: 1 gathers the parameters once per step and keeps them through its
+    micro-batches, 2 from each forward to its backward, 3 per layer) and pp_schedule (GPipe, 1F1B,
     Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV).
     microbatches: forwards per step (pipeline micro-batches, or gradient accumulation). ep_overlap, ep_chunks,
     ep_num_worst_tokens: how the MoE layers move tokens (moeflow.parallel.expert.ExpertParallelDispatcher).
@@ -85,18 +86,10 @@ def parallelize(
     autocast = (functools.partial(torch.autocast, device_type, dtype=autocast_dtype) if autocast_dtype
                 else contextlib.nullcontext)
     state = ParallelState(model, dims)
-    if world == 1 or dims.zero == 1:
-        # ZeRO-1 (Rajbhandari et al. 2020, stage 1): every rank keeps all parameters and gradients; the trainer
-        # averages gradients with moeflow.parallel.grads.all_reduce_gradients and the optimizer
-        # (ZeroRedundancyOptimizer) keeps 1/dp of the state on each rank. ParallelDims allows it with pure
-        # data parallelism only.
+    if world == 1:
         apply_activation_checkpointing(blocks(model), activation_checkpointing)
         _compile_blocks(model, compile)
         state.runner = LocalRunner(model, loss_fn, microbatches, autocast)
-        if world > 1:
-            from moeflow.parallel.mesh import build_mesh
-
-            state.mesh, state.grad_group = build_mesh(dims, device_type), dist.group.WORLD
         return state
 
     from moeflow.parallel.fsdp import apply_fsdp
@@ -133,7 +126,9 @@ def parallelize(
                                       loss_fn=loss_fn, microbatch_shape=pp_microbatch_shape if dims.tp == 1 else None)
         state.runner.autocast = autocast
     else:
-        state.runner = LocalRunner(model, loss_fn, microbatches, autocast)
+        # ZeRO-1 keeps the parameters gathered across the step's micro-batches (one all-gather per step); the
+        # pipeline stages do the same by themselves (torch's PipelineStage).
+        state.runner = LocalRunner(model, loss_fn, microbatches, autocast, keep_gathered=dims.zero == 1)
     return state
 
 

@@ -35,17 +35,21 @@ class LocalRunner:
     the last; the loss of each is `loss_fn`'s mean, divided by the number of micro-batches."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable, microbatches: int = 1,
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 keep_gathered: bool = False):
         self.model, self.loss_fn, self.microbatches, self.autocast = model, loss_fn, microbatches, autocast
+        self.keep_gathered = keep_gathered  # ZeRO-1: FSDP2 reshards only after the last micro-batch
         self.routers = router_layers([model]) if hasattr(model, "layers") else {}
         for router in self.routers.values():
             # The aux loss rides on the routing weights' gradient, per micro-batch like the main loss.
             router.aux_loss_scale = 1.0 / microbatches
         self._loads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _set_grad_sync(self, enabled: bool) -> None:
+    def _set_grad_sync(self, last: bool) -> None:
         if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2: no reduce-scatter between micro-batches
-            self.model.set_requires_gradient_sync(enabled)
+            self.model.set_requires_gradient_sync(last)
+            if self.keep_gathered:
+                self.model.set_reshard_after_backward(last)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         n = self.microbatches

@@ -16,7 +16,6 @@ class ParallelState:
     dims: ParallelDims
     mesh: Any = None  # DeviceMesh (pp, dp_replicate, efsdp, ep, tp) with dp_shard / dp views; None at world size 1
     runner: Any = None  # the step runner: moeflow.parallel.runner.LocalRunner or pipeline.PipelineRunner
-    grad_group: Any = None  # ZeRO-1: the group gradients are all-reduced over (FSDP2 layouts reduce themselves)
     tp_mesh: Any = None  # the 1-D tensor-parallel mesh when tp > 1
 
     @property

@@ -4,8 +4,11 @@ Model state (ZeRO, Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward T
 Parameter Models", sec. 3.1 and 5.1, Fig. 1): mixed-precision AdamW keeps 2 bytes/param of bf16
 weights (2Ψ), 2 bytes of bf16 gradients (2Ψ) and K=12 bytes of optimizer state (fp32 master weights,
 momentum, variance: 12Ψ). ZeRO-1 shards the 12Ψ over the data-parallel group N_d, ZeRO-2 also the
-gradients, ZeRO-3 also the weights. Here the sharding group is dp_shard (dp_replicate copies it: HSDP);
-expert weights are split over ep and their data-parallel group is dp_shard / ep.
+gradients, ZeRO-3 also the weights. moeflow's ZeRO-1 reduce-scatters gradients as backward produces them
+(FSDP2, like Megatron-Core's distributed optimizer, without its full-size gradient buffer), so its gradients are
+sharded as ZeRO-2's: stages 1 and 2 differ in how often they gather the weights, not in what a GPU holds. Here
+the sharding group is dp_shard (dp_replicate copies it: HSDP); expert weights are split over ep and their
+data-parallel group is dp_shard / ep.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 sec. 4, Table 2), bytes per layer per micro-batch with tensor + sequence parallelism of size t:
@@ -60,7 +63,7 @@ def model_state_bytes(dense: float, expert: float, lay: Layout) -> dict[str, flo
     shard = lambda stage_on: (d_local / lay.dp_shard + e_local / e_shard) if stage_on else d_local + e_local
     return {
         "params": 2 * shard(lay.zero >= 3),
-        "grads": 2 * shard(lay.zero >= 2),
+        "grads": 2 * shard(lay.zero >= 1),  # every stage reduce-scatters gradients (moeflow's ZeRO-1 too)
         "optimizer": 12 * shard(lay.zero >= 1),
     }
 

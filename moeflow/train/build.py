@@ -73,8 +73,7 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
 
         model.to_empty(device=device)
         bytes_read = load_owned(model, cfg.model)
-    optimizer = (build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2), grad_group=par.grad_group)
-                 if with_optimizer else None)
+    optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2)) if with_optimizer else None
     return par, optimizer, bytes_read
 
 
@@ -100,8 +99,7 @@ def describe_layout(cfg: JobConfig, dims: ParallelDims, par: ParallelState) -> s
     if dims.pp > 1:
         return (f"{dims.describe()} ({dims.world_size} ranks, {dims.pp_schedule} with "
                 f"{par.runner.n_microbatches} micro-batches, FSDP2 ZeRO-{dims.zero})")
-    dp_kind = "ZeroRedundancyOptimizer" if dims.zero == 1 else "FSDP2"
-    return f"{dims.describe()} ({dims.world_size} ranks, {dp_kind} ZeRO-{dims.zero})"
+    return f"{dims.describe()} ({dims.world_size} ranks, FSDP2 ZeRO-{dims.zero})"
 
 
 def build(cfg: JobConfig, info: DistInfo, dims: ParallelDims, batch: BatchSplit) -> Setup:

@@ -48,12 +48,11 @@ def rank_state(cfg: JobConfig, world_size: int, rank: int) -> dict:
         params = list(par.model.parameters())
         expert = sum(_local_numel(p) for n, p in par.model.named_parameters() if ".experts." in n)
         sharded = sum(_local_numel(p) for p in params)
-        # ZeRO-2 (FSDP2 without resharding after forward) holds every layer's gathered weights from its
-        # forward to its backward: at the peak, the whole (tp/ep-local) model.
-        held = sum(_gathered_numel(p) for p in params) if cfg.parallel.zero == 2 else sharded
-        local_opt = getattr(optimizer, "optim", optimizer)  # ZeRO-1 holds only its partition's state
-        opt_params = sum(_local_numel(p) for g in local_opt.param_groups for p in g["params"])
-        grads = held if cfg.parallel.zero == 1 else sharded
+        # ZeRO-1 and ZeRO-2 (FSDP2 without resharding after forward) hold every layer's gathered weights from
+        # its forward to its backward: at the peak, the whole (tp/ep-local) model.
+        held = sum(_gathered_numel(p) for p in params) if cfg.parallel.zero in (1, 2) else sharded
+        opt_params = sum(_local_numel(p) for g in optimizer.param_groups for p in g["params"])
+        grads = sharded  # every stage reduce-scatters gradients into shards
         return {"rank": rank, "params": held, "expert_params": expert, "optimizer_params": opt_params,
                 "bytes": {"params": held * BYTES["params"], "grads": grads * BYTES["grads"],
                           "optimizer": opt_params * BYTES["optimizer"]},

@@ -8,21 +8,14 @@ import torch
 from torch import nn
 
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
-                    grad_group=None):
-    """AdamW; a ZeroRedundancyOptimizer around it over `grad_group` when the model was parallelized with
-    zero=1 (ParallelState.grad_group)."""
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]):
+    """AdamW over the model's parameters (under FSDP2 the sharded ones: every ZeRO stage shards the state)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             # Norm weights and biases (1-D) are not decayed (Loshchilov & Hutter 2019 practice, as in GPT-2/3).
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if grad_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=grad_group, lr=lr,
-                                       betas=betas, eps=1e-8, foreach=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, foreach=True)
 
 

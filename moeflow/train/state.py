@@ -24,7 +24,7 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
 def _local_optimizer(optimizer):
-    """The optimizer that holds this rank's state (ZeroRedundancyOptimizer keeps a partition in .optim)."""
+    """The optimizer that holds this rank's state (an optimizer wrapper that keeps a partition in .optim)."""
     return getattr(optimizer, "optim", optimizer)
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.config import JobConfig
-from moeflow.parallel.grads import all_reduce_gradients, clip_grad_norm_
+from moeflow.parallel.grads import clip_grad_norm_
 from moeflow.parallel.runner import router_layers
 from moeflow.train.build import Setup
 from moeflow.train.distributed import all_reduce_sum
@@ -61,7 +61,6 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     for layer, (load_E, drop) in par.runner.router_loads().items():
         loads[row_of[layer]] += load_E
         dropped[row_of[layer]] += drop
-    all_reduce_gradients(model, par)
     clip = cfg.training.grad_clip if cfg.training.grad_clip > 0 else float("inf")
     grad_norm = clip_grad_norm_(model, clip, par)
     # One all-reduce for everything logged; its .tolist() is the step's one host sync, needed anyway
