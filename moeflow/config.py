@@ -104,6 +104,9 @@ class ParallelConfig:
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
     pp_microbatches: int = 0
     """Pipeline micro-batches per step; 0 = per-rank batch / training.micro_batch (one sequence each if unset)."""
+    ep_over_tp: bool = True
+    """With tp > 1, spread the experts over the tp ranks too (EP group ep x tp; each tp rank routes its sequence
+    slice: no redundant MoE compute); false computes every MoE layer whole on every tp rank."""
     ep_backend: str = "auto"
     """How EP moves tokens: moeflow.ep's own 'auto', 'alltoall', 'hierarchical', 'allgather' (any
     torch.distributed backend), or the installed `deep_ep` package: 'deep_ep' (DeepEP, or UCCL-EP's drop-in) or
@@ -200,7 +203,7 @@ class JobConfig:
         job's layout is validated; the launcher calls it before starting ranks, each rank once at start)."""
         p, t = self.parallel, self.training
         dims = ParallelDims(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
-                            zero=p.zero, pp_schedule=p.pp_schedule)
+                            zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp)
         dims.check_model(self.model)
         if p.ep_backend in ("deep_ep", "uccl") and dims.ep > 1 and dims.ep not in DEEP_EP_SIZES:
             # The library's own config table decides at start-up (UCCL-EP lacks 48 and 96); this is the part

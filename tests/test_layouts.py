@@ -39,7 +39,8 @@ LAYOUTS = {
         "ep2-chunks2-static": ["--parallel.ep=2", "--parallel.ep_overlap_chunks=2",
                                "--parallel.ep_num_worst_tokens=-1"],
         "ep2-no-overlap": ["--parallel.ep=2", "--parallel.ep_overlap=false"],
-        "tp2": ["--parallel.tp=2"],
+        "tp2": ["--parallel.tp=2"],  # the MoE folded: experts over the 2 tp ranks, each routing its tokens
+        "tp2-moe-replicated": ["--parallel.tp=2", "--parallel.ep_over_tp=false"],
         "pp2-gpipe": ["--parallel.pp=2", "--parallel.pp_schedule=GPipe"],
         "pp2-1f1b": ["--parallel.pp=2", "--parallel.pp_schedule=1F1B"],
         "pp2-interleaved": ["--parallel.pp=2", "--parallel.pp_schedule=Interleaved1F1B"],
@@ -70,7 +71,8 @@ BF16_LOSS_REL, BF16_GRAD_NORM_REL = 1e-3, 2e-2
 # (dp_replicate, dp_shard, tp, pp, ep, zero).
 PLANNED = {
     "dp2-zero1": (1, 2, 1, 1, 1, 1), "zero1-ep2": (1, 2, 1, 1, 2, 1), "zero1-pp2": (1, 1, 1, 2, 1, 1),
-    "dp2-zero3": (1, 2, 1, 1, 1, 3), "ep2": (1, 2, 1, 1, 2, 3),
+    "dp2-zero3": (1, 2, 1, 1, 1, 3), "ep2": (1, 2, 1, 1, 2, 3), "tp2": (1, 1, 2, 1, 1, 3),
+    "tp2-dp2": (1, 2, 2, 1, 1, 3), "ep2-tp2": (1, 2, 2, 1, 2, 3), "zero1-tp2": (1, 1, 2, 1, 1, 1),
     "pp2-1f1b": (1, 1, 1, 2, 1, 3), "hsdp2x2": (2, 2, 1, 1, 1, 3), "ep4": (1, 4, 1, 1, 4, 3),
     "ep2-dp4": (1, 4, 1, 1, 2, 3), "pp2-dp2": (1, 2, 1, 2, 1, 3), "hsdp2x2-ep2": (2, 2, 1, 1, 2, 3),
 }
@@ -85,13 +87,14 @@ def _planned_elements(cfg, sizes) -> dict[str, float]:
     are for bf16 weights and grads, 2 each, and 12 of fp32 AdamW state; moeflow trains here in fp32)."""
     from moeflow.hardware import get_gpu
     from moeflow.plan.layout import Job, Layout
-    from moeflow.plan.memory import model_state_bytes, stage_layers, stage_params
+    from moeflow.plan.memory import model_state_bytes, stage_layers, stage_params, stage_tp_whole
 
     job = Job(cfg.model, get_gpu("H100-80GB"), nodes=1, gpus_per_node=8, seq_len=cfg.data.seq_len,
               global_batch_tokens=cfg.data.seq_len * cfg.training.global_batch)
     lay = Layout(*sizes, micro_batch=1, activation_checkpointing="none")
     stages = stage_layers(cfg.model.n_layers, lay.pp)
-    per_stage = [model_state_bytes(*stage_params(job, layers, i == 0, i == lay.pp - 1), lay)
+    per_stage = [model_state_bytes(*stage_params(job, layers, i == 0, i == lay.pp - 1), lay,
+                                   stage_tp_whole(job, layers, i == lay.pp - 1))
                  for i, layers in enumerate(stages)]
     fullest = max(per_stage, key=lambda b: b["params"])
     return {"params": fullest["params"] / 2, "grads": fullest["grads"] / 2, "optimizer": fullest["optimizer"] / 12}

@@ -2,7 +2,9 @@
 
 Sizes: dp_replicate x dp_shard x tp x pp = world size (dp_shard = -1 takes the rest). Expert parallelism
 borrows its ep ranks from dp_shard, and each expert is FSDP-sharded over the remaining efsdp = dp_shard / ep
-ranks. Every rule raises ValueError naming the setting, the value and a fix (docs/design.md, "errors").
+ranks. With tensor parallelism the experts are also spread over the tp ranks (ep_over_tp, Megatron's "MoE
+parallel folding"): the expert-parallel group is then ep x tp ranks and each rank routes its sequence slice.
+Every rule raises ValueError naming the setting, the value and a fix (docs/design.md, principle 3).
 The mesh itself is built from these sizes by moeflow.parallel.mesh.
 """
 
@@ -38,6 +40,7 @@ class ParallelDims:
     ep: int = 1
     zero: int = 3
     pp_schedule: str = "1F1B"
+    ep_over_tp: bool = True
 
     def __post_init__(self):
         for key in ("dp_replicate", "tp", "pp", "ep"):
@@ -82,6 +85,21 @@ class ParallelDims:
         return self.dp_shard // self.ep
 
     @property
+    def fold_experts(self) -> bool:
+        """MoE layers route each tp rank's sequence slice and spread the experts over the tp ranks too."""
+        return self.ep_over_tp and self.tp > 1
+
+    @property
+    def expert_parallel(self) -> int:
+        """Ranks the experts are spread over: ep, times tp when folded."""
+        return self.ep * self.tp if self.fold_experts else self.ep
+
+    @property
+    def moe_token_copies(self) -> int:
+        """How many ranks route each token of a data-parallel rank: tp when the MoE runs whole on every tp rank."""
+        return 1 if self.fold_experts else self.tp
+
+    @property
     def sizes(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in SIZE_KEYS}
 
@@ -92,14 +110,18 @@ class ParallelDims:
     # ---- rules against the model and the batch ---------------------------------------------------------
     def check_model(self, cfg: ModelConfig) -> None:
         """The sizes against a moeflow model config (a Hugging Face model object is checked by parallelize)."""
-        if self.ep > 1:
-            if not cfg.is_moe:
-                raise ValueError(f"parallel.ep = {self.ep} needs an MoE model; model {cfg.name!r} is dense")
-            if cfg.moe.num_experts % self.ep:
+        if self.ep > 1 and not cfg.is_moe:
+            raise ValueError(f"parallel.ep = {self.ep} needs an MoE model; model {cfg.name!r} is dense")
+        if cfg.is_moe and cfg.moe.num_experts % self.expert_parallel:
+            E = cfg.moe.num_experts
+            if self.fold_experts:
                 raise ValueError(
-                    f"parallel.ep ({self.ep}) must divide model.moe.num_experts ({cfg.moe.num_experts}); "
-                    f"choose ep in {divisors(cfg.moe.num_experts)}"
+                    f"the experts are spread over parallel.ep x tp = {self.ep} x {self.tp} = {self.expert_parallel} "
+                    f"ranks, which must divide model.moe.num_experts ({E}); choose ep x tp in {divisors(E)}, or "
+                    f"set --parallel.ep_over_tp=false to compute the MoE layers whole on every tp rank"
                 )
+            raise ValueError(f"parallel.ep ({self.ep}) must divide model.moe.num_experts ({E}); "
+                             f"choose ep in {divisors(E)}")
         if self.tp > 1:
             self._check_tp_widths(cfg)
         if self.pp > 1:
@@ -122,7 +144,7 @@ class ParallelDims:
         if cfg.attention == "mla":
             raise ValueError(MLA_TP_UNSUPPORTED)
         sizes = [("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.kv_heads)]
-        if cfg.n_layers > cfg.num_moe_layers:
+        if cfg.n_layers > cfg.num_moe_layers:  # the dense FFN's width (an MoE's routes whole rows)
             sizes.append(("model.ffn_dim", cfg.ffn_dim))
         for name, value in sizes:
             if value % self.tp:

@@ -7,6 +7,8 @@ count and the sums are added over all ranks.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,7 +25,32 @@ def _spans_tp(mesh, tp_ranks: list[int], cache: dict) -> bool:
     return cache[key]
 
 
-def grad_norm_sq_local(model: nn.Module, tp_mesh=None) -> torch.Tensor:
+def reduce_tp_partial_grads(state: ParallelState) -> None:
+    """Sum over the tp ranks the gradients that are partial there (the folded MoE's router and shared experts,
+    each tp rank's from its own tokens), in one flat all-reduce; a no-op otherwise. Once per step: a gradient
+    already summed (same tensor, same version) is not summed again, so calling it twice is safe."""
+    done = state.tp_reduced
+
+    def summed(p) -> bool:  # this very gradient tensor, unchanged since it was summed (an id could be reused)
+        ref, version = done.get(id(p), (None, None))
+        return ref is not None and ref() is p.grad and version == p.grad._version
+
+    grads = [p.grad for p in state.tp_partial if p.grad is not None and not summed(p)]
+    if not grads or state.tp_mesh is None:
+        return
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(flat, group=state.tp_mesh.get_group())
+    offset = 0
+    for g in local:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    for p in state.tp_partial:
+        if p.grad is not None:
+            done[id(p)] = (weakref.ref(p.grad), p.grad._version)
+
+
+def grad_norm_sq_local(model: nn.Module, tp_mesh=None, distinct_over_tp: set[int] | None = None) -> torch.Tensor:
     """This rank's share of the squared gradient norm: summed over ALL ranks it is the exact ||g||^2.
 
     A gradient element held by several ranks is counted on one of them: for a DTensor, only the ranks at
@@ -55,7 +82,7 @@ def grad_norm_sq_local(model: nn.Module, tp_mesh=None) -> torch.Tensor:
         else:
             counted_here, local = True, grad
             replicated_over_tp = tp_mesh is not None
-        if replicated_over_tp and tp_rank != 0:
+        if replicated_over_tp and tp_rank != 0 and id(param) not in (distinct_over_tp or ()):
             counted_here = False
         if counted_here:
             total = total + local.float().pow(2).sum()
@@ -64,10 +91,14 @@ def grad_norm_sq_local(model: nn.Module, tp_mesh=None) -> torch.Tensor:
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, state: ParallelState | None = None) -> torch.Tensor:
     """Clip the global gradient norm of a model parallelized as `state` describes (None: not parallelized);
-    returns the norm before clipping."""
+    returns the norm before clipping. Finishes the gradients first (reduce_tp_partial_grads): call it, with
+    max_norm = inf if no clipping is wanted, between backward and the optimizer step."""
+    if state is not None:
+        reduce_tp_partial_grads(state)
     distributed = state is not None and state.dims.world_size > 1 and dist.is_initialized()
     if distributed:
-        sq = grad_norm_sq_local(model, state.tp_mesh)  # may replace partial gradients by reduced ones: read after
+        # may replace partial gradients by reduced ones: read the gradients after
+        sq = grad_norm_sq_local(model, state.tp_mesh, {id(p) for p in state.tp_distinct})
         dist.all_reduce(sq)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]

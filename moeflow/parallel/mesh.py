@@ -1,4 +1,5 @@
-"""The DeviceMesh of a ParallelDims: dims (pp, dp_replicate, efsdp, ep, tp), plus flattened dp_shard and dp views."""
+"""The DeviceMesh of a ParallelDims: dims (pp, dp_replicate, efsdp, ep, tp), plus flattened dp_shard and dp views
+(and ep_tp, the expert-parallel group, when the experts are folded over the tp ranks)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
                             mesh_dim_names=MESH_DIMS)
     mesh["efsdp", "ep"]._flatten("dp_shard")
     mesh["dp_replicate", "efsdp", "ep"]._flatten("dp")
+    if dims.fold_experts:
+        mesh["ep", "tp"]._flatten("ep_tp")
     return mesh
+
+
+def expert_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The ranks the experts are spread over: ep, or ep x tp when folded."""
+    return submesh(mesh, "ep_tp" if dims.fold_experts else "ep")
 
 
 def submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:

@@ -102,20 +102,23 @@ def parallelize(
 
         stages = build_stage_modules(model, submesh(mesh, "pp").get_local_rank(), dims.pp, dims.pp_schedule,
                                      pp_boundaries)
-    if dims.ep > 1:
+    if dims.expert_parallel > 1 and any(isinstance(m, MoE) for m in model.modules()):
         from moeflow.parallel.expert import apply_expert_parallel
+        from moeflow.parallel.mesh import expert_mesh
 
-        apply_expert_parallel(model, submesh(mesh, "ep").get_group(), backend=ep_backend, chunks=ep_chunks,
+        apply_expert_parallel(model, expert_mesh(mesh, dims).get_group(), backend=ep_backend, chunks=ep_chunks,
                               overlap=ep_overlap, num_worst_tokens=ep_num_worst_tokens)
     if dims.tp > 1:
         from moeflow.parallel.tensor import apply_tensor_parallel
 
         state.tp_mesh = submesh(mesh, "tp")
         for stage in stages:
-            apply_tensor_parallel(stage, state.tp_mesh, plan=tp_plan)
+            apply_tensor_parallel(stage, state.tp_mesh, plan=tp_plan, fold_experts=dims.fold_experts)
     apply_activation_checkpointing(blocks(model), activation_checkpointing)
     _compile_blocks(model, compile)
     apply_fsdp(blocks(model), stages, dims, mesh, mixed_precision)
+    if dims.fold_experts:
+        _record_folded_moe_params(model, state)
     if dims.pp > 1:
         from moeflow.parallel.pipeline import build_schedule
 
@@ -130,6 +133,15 @@ def parallelize(
         # pipeline stages do the same by themselves (torch's PipelineStage).
         state.runner = LocalRunner(model, loss_fn, microbatches, autocast, keep_gathered=dims.zero == 1)
     return state
+
+
+def _record_folded_moe_params(model: nn.Module, state: ParallelState) -> None:
+    """With the MoE folded over tp, each tp rank's router and shared experts see only its own tokens (their
+    gradients are summed over tp after backward), and each tp rank holds other experts (their gradients are
+    distinct, not copies). Recorded after FSDP, whose parameters they are by then."""
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        state.tp_distinct += list(moe.experts.parameters())
+        state.tp_partial += [p for name, p in moe.named_parameters() if not name.startswith("experts.")]
 
 
 def _check_model_object(model: nn.Module, dims: ParallelDims) -> None:

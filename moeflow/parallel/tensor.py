@@ -14,8 +14,10 @@ Layout on the tp mesh (B batch, S sequence, D width, V vocab, H query heads, Hk 
                    heads with RoPE tables for all S positions -> wo row-sharded -> reduce-scatter -> [B, S/tp, D]
         ffn_norm: SequenceParallel
         dense FFN: all-gather -> w1, w3 column-sharded, w2 row-sharded -> reduce-scatter
-        MoE FFN:   all-gather -> every tp rank runs the whole MoE on plain tensors (ReplicatedModule) -> keeps
-                   its S/tp slice (no communication on the way out; an all-gather of the gradient on the way back)
+        MoE FFN, folded (parallelize's default): this rank's S/tp tokens enter the MoE (LocalTokens); expert
+                   parallelism over the ep x tp ranks moves them to their experts; no sequence all-gather
+        MoE FFN, replicated: all-gather -> every tp rank runs the whole MoE on plain tensors (ReplicatedModule)
+                   -> keeps its S/tp slice (no communication on the way out; an all-gather of the gradient back)
     final norm: SequenceParallel -> all-gather -> output head column-sharded -> logits [B, S, V/tp]: Shard(-1)
     -> tp_loss: cross-entropy over the vocab shards (three all-reduces of B*S numbers); the full logits never exist.
 
@@ -32,12 +34,12 @@ Hugging Face decoders (Llama, Qwen2/3, Mistral layouts: self_attn.q/k/v/o_proj, 
 get the same plan by their module names, sequence parallelism included: their decoder layers only add and pass
 on the residual, which works on DTensors, and their rotary module sees the global shape.
 
-MoE under TP: expert compute (router, routed and shared experts) is replicated tp-fold, and every tp rank's
-MoE parameters get the same gradient (the same full sequence and the same output gradient reach each), so no
-reduction over tp is needed for them -- nor for the router's aux loss, which each rank computes on the same
-tokens. `Router.last_load` then counts every token once per tp rank. Expert-tensor-parallelism (F sharded over
-tp) or routing the S/tp local tokens with the tp ranks acting as extra data-parallel ranks for the experts
-would remove the redundancy; both are follow-ups.
+MoE under TP, two ways (parallel.ep_over_tp). Folded (the default under parallelize): each tp rank routes its own
+S/tp tokens, the experts are spread over the ep x tp ranks, and the router's and shared experts' gradients, each
+from one rank's tokens, are summed over tp after backward; `Router.last_load` counts each token once. Replicated:
+expert compute is repeated tp-fold, every tp rank's MoE parameters get the same gradient (the same full sequence
+and the same output gradient reach each), so no reduction over tp is needed -- nor for the router's aux loss,
+which each rank computes on the same tokens; `Router.last_load` counts every token once per tp rank.
 
 Composition with FSDP2 (TorchTitan's order): tensor parallelism on mesh["tp"] first, then `fully_shard` of each
 block and of the root on the data-parallel mesh, which makes 2-D (dp, tp) DTensor parameters.
@@ -120,6 +122,45 @@ class ReplicatedModule(ParallelStyle):
         return f"ReplicatedModule(sequence_dim={self.sequence_dim})"
 
 
+class LocalTokens(ParallelStyle):
+    """Run the module on this tp rank's sequence slice only: the sequence-sharded DTensor input becomes its local
+    [.., S/tp, ..] tensor and the plain output becomes this rank's slice of a sequence-sharded DTensor. No
+    communication: the MoE layer's tokens enter as the sequence-parallel shard (Megatron's "MoE parallel folding"),
+    and expert parallelism over the tp ranks (moeflow.parallel.expert) moves them to their experts. The module's
+    replicated parameters (router, shared experts) then get only this rank's tokens' gradient: parallelize
+    records them and sums their gradients over the tp ranks after backward (moeflow.parallel.grads)."""
+
+    def __init__(self, *, sequence_dim: int = 1):
+        super().__init__()
+        self.sequence_dim = sequence_dim
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        sequence_sharded = [Shard(self.sequence_dim)]
+
+        def local(x):
+            return x.to_local() if isinstance(x, DTensor) else x
+
+        def to_dtensor(y):
+            return DTensor.from_local(y, device_mesh, sequence_sharded, run_check=False)
+
+        def local_input(mod, args, kwargs):
+            if args:
+                return (local(args[0]), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": local(kwargs["hidden_states"])}
+            raise ValueError(f"LocalTokens: {type(mod).__name__} got no positional input nor hidden_states=")
+
+        def sharded_output(mod, args, kwargs, output):
+            return (to_dtensor(output[0]), *output[1:]) if isinstance(output, tuple) else to_dtensor(output)
+
+        module.register_forward_pre_hook(local_input, with_kwargs=True)
+        module.register_forward_hook(sharded_output, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"LocalTokens(sequence_dim={self.sequence_dim})"
+
+
 class HeadShardedNorm(SequenceParallel):
     """A norm over each head's width (Qwen3's q_norm / k_norm) applied to the local heads of a tp rank.
 
@@ -199,7 +240,11 @@ def _is_moe(module: nn.Module) -> bool:
     return any(isinstance(m, Router) for m in module.modules())
 
 
-def _moeflow_plan(model: nn.Module, loss_parallel: bool) -> dict[str, ParallelStyle]:
+def _moe_style(fold_experts: bool) -> ParallelStyle:
+    return LocalTokens() if fold_experts else ReplicatedModule()
+
+
+def _moeflow_plan(model: nn.Module, loss_parallel: bool, fold_experts: bool) -> dict[str, ParallelStyle]:
     cfg = model.cfg
     if cfg.attention == "mla":  # no plan for latent attention's low-rank projections yet
         raise ValueError(MLA_TP_UNSUPPORTED)
@@ -225,7 +270,7 @@ def _moeflow_plan(model: nn.Module, loss_parallel: bool) -> dict[str, ParallelSt
     by_kind = _layer_patterns("layers", dict(model.layers.items()),
                               lambda block: "moe" if _is_moe(block.feed_forward) else "dense")
     for pattern in by_kind.get("moe", []):
-        plan[f"{pattern}.feed_forward"] = ReplicatedModule()
+        plan[f"{pattern}.feed_forward"] = _moe_style(fold_experts)
     for pattern in by_kind.get("dense", []):
         plan[f"{pattern}.feed_forward"] = _gather_sequence(input_layouts=(Shard(1),),
                                                            desired_input_layouts=(Replicate(),))
@@ -258,7 +303,7 @@ def _hf_decoder(model: nn.Module) -> tuple[str, nn.Module]:
                      f"model.layers / model.norm found); {HOW_TO_PASS_A_PLAN}")
 
 
-def _hf_plan(model: nn.Module, loss_parallel: bool) -> dict[str, ParallelStyle]:
+def _hf_plan(model: nn.Module, loss_parallel: bool, fold_experts: bool) -> dict[str, ParallelStyle]:
     if getattr(model.config, "kv_lora_rank", None):  # no plan for latent attention's low-rank projections yet
         raise ValueError(MLA_TP_UNSUPPORTED)
     prefix, decoder = _hf_decoder(model)
@@ -306,7 +351,7 @@ def _hf_plan(model: nn.Module, loss_parallel: bool) -> dict[str, ParallelStyle]:
                          f"gate/up/down_proj nor a moeflow MoE (use moeflow.models.hf_live.replace_sparse_moe_blocks "
                          f"for HF MoE blocks); {HOW_TO_PASS_A_PLAN}")
     for pattern in by_kind.get("moe", []):
-        plan[f"{pattern}.mlp"] = ReplicatedModule()
+        plan[f"{pattern}.mlp"] = _moe_style(fold_experts)
     for pattern in by_kind.get("dense", []):
         plan[f"{pattern}.mlp"] = _gather_sequence(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         plan[f"{pattern}.mlp.gate_proj"] = ColwiseParallel()
@@ -317,18 +362,20 @@ def _hf_plan(model: nn.Module, loss_parallel: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def tp_plan(model: nn.Module, *, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
+def tp_plan(model: nn.Module, *, loss_parallel: bool = True, fold_experts: bool = False) -> dict[str, ParallelStyle]:
     """The built-in plan for a moeflow Transformer (or a pipeline stage of one) or a Hugging Face decoder LM
     (Llama / Qwen2 / Qwen3 / Mistral layout, MoE blocks replaced by moeflow's MoE). ValueError otherwise.
 
     loss_parallel: the output head leaves vocab-sharded DTensor logits for tp_loss; else plain full logits.
+    fold_experts: MoE layers take this rank's sequence slice (LocalTokens; their experts are spread over the tp
+    ranks by expert parallelism); else every tp rank computes the whole MoE layer (ReplicatedModule).
     """
     from moeflow.models.transformer import Transformer
 
     if isinstance(model, Transformer):
-        return _moeflow_plan(model, loss_parallel)
+        return _moeflow_plan(model, loss_parallel, fold_experts)
     if hasattr(model, "config") and hasattr(model.config, "num_attention_heads"):
-        return _hf_plan(model, loss_parallel)
+        return _hf_plan(model, loss_parallel, fold_experts)
     raise ValueError(f"{type(model).__name__} has no built-in tensor-parallel plan; {HOW_TO_PASS_A_PLAN}")
 
 
@@ -361,13 +408,14 @@ def _pattern_matches(pattern: str, fqn: str) -> bool:
 
 
 def _check_plan_covers(model: nn.Module, plan: dict[str, ParallelStyle]) -> None:
-    """Every Linear / Embedding matched by a pattern (or inside a ReplicatedModule); every pattern matches."""
+    """Every Linear / Embedding matched by a pattern (or inside a ReplicatedModule / LocalTokens); every pattern
+    matches."""
     modules = dict(model.named_modules())
     unused = [p for p in plan if p and not any(_pattern_matches(p, fqn) for fqn in modules)]
     if unused:
         raise ValueError(f"tensor-parallel plan keys {unused[:5]} match no module of {type(model).__name__} "
                          f"(patterns are dot-separated fnmatch tokens, e.g. 'layers.*.attention.wq')")
-    replicated = [p for p, style in plan.items() if isinstance(style, ReplicatedModule)]
+    replicated = [p for p, style in plan.items() if isinstance(style, ReplicatedModule | LocalTokens)]
     uncovered = []
     for fqn, module in modules.items():
         if not isinstance(module, (nn.Linear, nn.Embedding)):
@@ -419,9 +467,15 @@ def _retie(model: nn.Module, ties: list[tuple[str, str]]) -> None:
 
 def _broadcast_replicated(model: nn.Module, tp_mesh) -> None:
     """Copy every tensor that tp ranks hold whole from tp rank 0, as parallelize_module does for the sharded
-    ones (src_data_rank=0): replicated compute is only correct if the replicas start equal."""
+    ones (src_data_rank=0): replicated compute is only correct if the replicas start equal. Not the experts of an
+    MoE layer that expert parallelism already spread over the tp ranks: each rank holds other experts."""
+    from moeflow.models.moe import MoE
+
     group = tp_mesh.get_group()
+    own = {id(p) for m in model.modules() if isinstance(m, MoE) and _spread(m) for p in m.experts.parameters()}
     for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in own:
+            continue
         if isinstance(tensor, DTensor):
             if not all(p.is_replicate() for p in tensor.placements):
                 continue
@@ -430,6 +484,13 @@ def _broadcast_replicated(model: nn.Module, tp_mesh) -> None:
             continue
         with torch.no_grad():
             dist.broadcast(tensor.data, group=group, group_src=0)
+
+
+def _spread(moe) -> bool:
+    """Expert parallelism has replaced this MoE's dispatcher (its experts are a slice)."""
+    from moeflow.models.moe import LocalDispatcher
+
+    return not isinstance(moe.dispatcher, LocalDispatcher)
 
 
 def _check_sequence_divisible(tp: int):
@@ -445,7 +506,7 @@ def _check_sequence_divisible(tp: int):
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, ParallelStyle] | None = None, *,
-                          loss_parallel: bool = True) -> nn.Module:
+                          loss_parallel: bool = True, fold_experts: bool = False) -> nn.Module:
     """Shard `model` in place over the 1-D `tp_mesh` (e.g. mesh["tp"]) by `plan` (default `tp_plan(model)`).
 
     A no-op when tp_mesh is None or has one rank. Checks that the plan names every Linear / Embedding and that
@@ -461,7 +522,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, ParallelSty
         raise ValueError(f"apply_tensor_parallel needs a 1-D tp mesh (mesh['tp']), got {tp_mesh.ndim} dims")
     tp = tp_mesh.size()
     if plan is None:
-        plan = tp_plan(model, loss_parallel=loss_parallel)
+        plan = tp_plan(model, loss_parallel=loss_parallel, fold_experts=fold_experts)
     _check_plan_covers(model, plan)
     ties = _tied_parameters(model)
     parallelize_module(model, tp_mesh, plan)

@@ -55,9 +55,15 @@ def stage_params(job: Job, layers: range, first: bool, last: bool) -> tuple[int,
     return dense, expert
 
 
-def model_state_bytes(dense: float, expert: float, lay: Layout) -> dict[str, float]:
-    """Per-GPU bf16 weights, bf16 grads and fp32 AdamW state (ZeRO 2Ψ/2Ψ/12Ψ) of one stage's params."""
-    d_local = dense / lay.tp
+def stage_tp_whole(job: Job, layers: range, last: bool) -> int:
+    """Parameters of one stage that every tp rank holds whole (norms, MoE routers and shared experts)."""
+    return sum(job.stats.tp_whole[i] for i in layers) + (job.model.dim if last else 0)
+
+
+def model_state_bytes(dense: float, expert: float, lay: Layout, tp_whole: float = 0.0) -> dict[str, float]:
+    """Per-GPU bf16 weights, bf16 grads and fp32 AdamW state (ZeRO 2Ψ/2Ψ/12Ψ) of one stage's params.
+    `tp_whole` of the `dense` parameters are held whole by every tp rank (stage_tp_whole)."""
+    d_local = (dense - tp_whole) / lay.tp + tp_whole
     e_local = expert / (lay.ep * lay.tp)
     e_shard = max(1, lay.dp_shard // lay.ep)  # expert data-parallel group inside dp_shard
     shard = lambda stage_on: (d_local / lay.dp_shard + e_local / e_shard) if stage_on else d_local + e_local
@@ -110,7 +116,7 @@ def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
     for i, layers in enumerate(stage_layers(cfg.n_layers, lay.pp)):
         first, last = i == 0, (i == 0 if v_shape else i == lay.pp - 1)
         dense, expert = stage_params(job, layers, first, last)
-        parts = model_state_bytes(dense, expert, lay)
+        parts = model_state_bytes(dense, expert, lay, stage_tp_whole(job, layers, last) if lay.tp > 1 else 0)
         in_flight = schedule_in_flight(lay.pp_schedule, lay.pp, lay.stages_per_rank, i, m)
         acts = sum(act_by_width[st.mlp_width[j]] for j in layers) * in_flight
         if ac == "full" and len(layers):

@@ -66,8 +66,9 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     # One all-reduce for everything logged; its .tolist() is the step's one host sync, needed anyway
     # for the non-finite check (every rank must take the same decision) and the progress bar.
     packed = all_reduce_sum(torch.cat([loss.view(1), dropped, loads.flatten()]))
-    # Every tp rank routes all of its dp rank's tokens, and every rank holds the loss: divide the copies out.
-    tp = par.dims.tp
+    # Every rank holds the loss, and with the MoE replicated over tp every tp rank routes all of its dp rank's
+    # tokens: divide the copies out.
+    tp = par.dims.moe_token_copies
     numbers = packed.tolist()
     loss_value = numbers[0] / s.info.world_size
     gn = float(grad_norm)
