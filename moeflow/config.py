@@ -111,8 +111,9 @@ class ParallelConfig:
     """Collective timeout in seconds: a rank waiting this long for a peer (dead or hung) fails instead of waiting
     forever. Raise it when a checkpoint save or the first (compiled) step takes longer."""
     max_restarts: int = 0
-    """With --nproc-per-node: restart every rank this many times after a rank fails (torch.distributed.run's
-    --max-restarts); each restart resumes from the newest complete checkpoint. --max-restarts N overrides it."""
+    """Restart every rank up to this many times after a rank fails (torch.distributed.run's --max-restarts; moeflow
+    train then starts its ranks through it, also a single one); each restart resumes from the newest complete
+    checkpoint. --max-restarts N overrides it."""
 
 
 @dataclass

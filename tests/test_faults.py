@@ -264,6 +264,19 @@ def test_a_stop_signal_checkpoints_the_step_and_resumes_exactly(one_process, tmp
     assert _losses(run) == one_process
 
 
+def test_deterministic_kernels_train_the_same_steps_on_the_cpu(one_process, tmp_path):
+    """training.deterministic turns on torch's deterministic algorithms; on the CPU the run was deterministic
+    already, so the losses are those of the default run, bit for bit."""
+    import torch
+
+    try:
+        assert cli.main(_job(tmp_path, "--training.deterministic=true")) == 0
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert _losses(tmp_path) == one_process
+
+
 def test_fault_settings_are_checked_and_spelled_both_ways():
     cfg = load_config(None, parse_overrides(["--checkpoint.keep=3", "--checkpoint.async=true"]))
     assert cfg.checkpoint.keep_last == 3 and cfg.checkpoint.async_save
