@@ -84,6 +84,8 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     nproc = args.nproc_per_node
     max_restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts {max_restarts}: use 0 (no restarts) or more")
     if ((nproc and nproc > 1) or max_restarts > 0) and "LOCAL_RANK" not in os.environ:
         cfg.layout(nproc or 1)  # a bad layout is one line here, not an error in every rank
         return _launch(nproc or 1, argv, cfg.run_dir, max_restarts)

@@ -208,6 +208,7 @@ def test_a_full_disk_loses_nothing(one_process, tmp_path, monkeypatch, capsys, a
     assert cli.main(job) == 74
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "checkpoint step-4 could not be written" in line and "No space left on device" in line, line
+    assert "the newest complete checkpoint, step-2, is intact" in line
     assert _checkpoints(run) == ["step-2"] and verify(run / "checkpoints" / "step-2") is None
     monkeypatch.setattr(dcp_fs, "_write_item", write_item)
     assert cli.main(job) == 0

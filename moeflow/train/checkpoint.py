@@ -163,16 +163,24 @@ class CheckpointManager:
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if not float(failed):
             return
+        reasons = [_reason(error) if error is not None else None]
+        if dist.is_initialized():
+            reasons = [None] * dist.get_world_size()
+            dist.all_gather_object(reasons, _reason(error) if error is not None else None)
+        rank, reason = next((r, why) for r, why in enumerate(reasons) if why is not None)
+        if dist.is_initialized():
+            reason = f"rank {rank}: {reason}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(self._failed(step, tmp, reason)) from error
+
+    def _failed(self, step: int, tmp: Path, reason: str) -> str:
         newest = self.complete_checkpoints()
         kept = (f"the newest complete checkpoint, {newest[0][1].name}, is intact and the next start resumes there"
                 if newest else "no complete checkpoint exists yet")
-        reason = _reason(error) if error is not None else "another rank could not write its part"
-        raise CheckpointWriteError(
-            f"checkpoint step-{step} could not be written to {tmp} ({reason}); nothing half-written is kept: {kept}. "
-            f"Free disk space (checkpoint.keep_last bounds what checkpoints use) or give a writable --run-dir"
-        ) from error
+        return (f"checkpoint step-{step} could not be written to {tmp} ({reason}); nothing half-written is kept: "
+                f"{kept}. Free disk space (checkpoint.keep_last bounds what checkpoints use) or give a writable "
+                f"--run-dir")
 
     def save(self, step: int, model, optimizer, extra: dict) -> Path:
         """Write step-N. Synchronous: complete on return. Async: the tensors are copied now and written in the
@@ -245,9 +253,9 @@ class CheckpointManager:
     def _complete_pending(self) -> None:
         pending, self.pending = self.pending, None
         if pending.error is not None:
-            raise CheckpointWriteError(
-                f"checkpoint step-{pending.step} could not be written to {pending.tmp} ({_reason(pending.error)}); "
-                f"nothing half-written is kept. Free disk space or give a writable --run-dir") from pending.error
+            # each rank finds out at its own step, so each says it
+            raise CheckpointWriteError(self._failed(pending.step, pending.tmp, _reason(pending.error)),
+                                       agreed=False) from pending.error
 
     def _finish(self, step: int, tmp: Path, final: Path) -> None:
         """Synchronous save: rank 0 commits once every rank has written; every rank learns whether it worked."""

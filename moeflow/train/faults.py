@@ -46,7 +46,12 @@ BACKSTOP_S = 15  # after the watchdog's deadline, faulthandler's stderr dump if 
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint (or the run dir) could not be written; the message is one line with the fix."""
+    """A checkpoint (or the run dir) could not be written; the message is one line with the fix. `agreed`: every
+    rank raised it with the same message (so rank 0 alone prints it)."""
+
+    def __init__(self, message: str, agreed: bool = True):
+        super().__init__(message)
+        self.agreed = agreed
 
 
 class Preempted(Exception):
@@ -69,18 +74,21 @@ def exit_code(e: BaseException, run_dir: str | Path) -> int | None:
     rank = int(os.environ.get("RANK", "0"))
     if isinstance(e, Preempted):
         where = f"checkpoint {e.checkpoint}" if e.checkpoint else "no checkpoint (checkpoint.enabled = false)"
+        under_launcher = bool(os.environ.get(LAUNCHER_ENV))
         if rank == 0:
             print(f"moeflow train: stopped by {e.signal_name} at step {e.step} after writing {where}; run the "
                   f"same command to resume", file=sys.stderr)
-            record = {"step": e.step, "signal": e.signal_name, "checkpoint": str(e.checkpoint or "")}
-            Path(run_dir, STOPPED_FILE).write_text(json.dumps(record))
+            if under_launcher:
+                record = {"step": e.step, "signal": e.signal_name, "checkpoint": str(e.checkpoint or "")}
+                Path(run_dir, STOPPED_FILE).write_text(json.dumps(record))
         if dist.is_initialized():
             dist.destroy_process_group()
         # Under moeflow's launcher a non-zero code would make torch.distributed.run restart the ranks
         # (--max-restarts); the launcher reads stopped.json and exits with 75 itself.
-        return 0 if os.environ.get(LAUNCHER_ENV) else EXIT_PREEMPTED
+        return 0 if under_launcher else EXIT_PREEMPTED
     if isinstance(e, CheckpointWriteError):
-        print(f"moeflow train: rank {rank}: {e}", file=sys.stderr)
+        if rank == 0 or not e.agreed:
+            print(f"moeflow train: {e}" if e.agreed else f"moeflow train: rank {rank}: {e}", file=sys.stderr)
         return EXIT_WRITE_FAILED
     if is_peer_failure(e):
         # gloo's text: "[.../pair.cc:537] Read error [127.0.0.1]:1234: Connection reset by peer. This is ..."
