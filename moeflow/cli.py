@@ -33,6 +33,9 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in the run dir")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="start this many local processes (through torch.distributed.run); default 1")
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help="restart every rank up to N times after a rank fails, resuming from the newest complete "
+                   "checkpoint (parallel.max_restarts; passed to torch.distributed.run)")
     p.add_argument("--print-config", action="store_true", help="print the effective config as TOML and exit")
     p.add_argument("--help-config", action="store_true", help="list every setting with its type and meaning")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -87,12 +90,24 @@ def cmd_train(argv: list[str]) -> int:
         print(json.dumps(out, indent=1) if args.json else format_dry_run(out))
         return 0
     nproc = args.nproc_per_node
-    if nproc and nproc > 1 and "LOCAL_RANK" not in os.environ:
-        cfg.layout(nproc)  # a bad layout is one line here, not an error in every rank
-        return _launch(nproc, argv)
+    max_restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts {max_restarts}: use 0 (no restarts) or more")
+    if ((nproc and nproc > 1) or max_restarts > 0) and "LOCAL_RANK" not in os.environ:
+        cfg.layout(nproc or 1)  # a bad layout is one line here, not an error in every rank
+        return _launch(nproc or 1, argv, cfg.run_dir, max_restarts)
+    from moeflow.train.faults import exit_code
     from moeflow.train.trainer import train
 
-    summary = train(cfg, resume=args.resume, fresh=args.fresh, progress=not args.no_progress)
+    # A restart by torch.distributed.run resumes, whatever --fresh said on the first start.
+    fresh = args.fresh and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    try:
+        summary = train(cfg, resume=args.resume, fresh=fresh, progress=not args.no_progress)
+    except Exception as e:  # a stop signal, an unwritable disk, a failed peer: one line and a documented code
+        code = exit_code(e, cfg.run_dir)
+        if code is None:
+            raise
+        return code
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(summary))
     _destroy()
@@ -106,28 +121,19 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
-def _launch(nproc: int, argv: list[str]) -> int:
-    """Re-run this command under torch.distributed.run with nproc local processes."""
-    cores = os.cpu_count() or 1
-    import torch
-
-    if not torch.cuda.is_available() and nproc > cores:
-        print(f"warning: --nproc-per-node {nproc} is more than the {cores} CPU cores here; "
-              f"each rank will get less than a core and training will be slow", file=sys.stderr)
+def _launch(nproc: int, argv: list[str], run_dir: str, max_restarts: int) -> int:
+    """Re-run this command under torch.distributed.run with nproc local processes (moeflow/train/launch.py)."""
     rest, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc-per-node":
+        elif a in ("--nproc-per-node", "--max-restarts"):
             skip = True
-        elif not a.startswith("--nproc-per-node="):
+        elif not a.startswith(("--nproc-per-node=", "--max-restarts=")):
             rest.append(a)
-    from torch.distributed.run import main as torchrun
+    from moeflow.train.launch import launch
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    torchrun(["--standalone", f"--nproc-per-node={nproc}", "--no-python", sys.executable, "-m", "moeflow",
-              "train", *rest])
-    return 0
+    return launch(nproc, rest, run_dir, max_restarts)
 
 
 def format_summary(s: dict) -> str:

@@ -78,6 +78,13 @@ class TrainingConfig:
     """What a NaN/Inf loss does: 'stop' (error naming the step) or 'skip' (drop that step's update)."""
     device: str = "auto"
     """'auto' (CUDA when present, else CPU), 'cpu' or 'cuda'."""
+    step_timeout_s: float = 0.0
+    """Hang watchdog: a step (with its end-of-step sync) taking longer than this writes every thread's Python stack
+    and the collective it waits in to RUN_DIR/hang-rank{N}.txt and exits with code 124; the first step after a
+    start may take 10x as long (compilation, warm-up). 0 = off. Keep it below parallel.timeout_s."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True): deterministic kernels or an error, for bit-identical runs on CUDA
+    (slower there). On the CPU runs are bit-identical without it."""
 
 
 EP_BACKENDS = ("auto", "alltoall", "hierarchical", "allgather", "deep_ep", "uccl")
@@ -122,6 +129,13 @@ class ParallelConfig:
     ep_num_worst_tokens: int = 0
     """Expert parallelism: 0 = exact receive sizes (one host sync per dispatch for the counts); -1 = static
     sizes that never drop a token (EP ranks x tokens per chunk): no host sync in the MoE layer."""
+    timeout_s: float = 120.0
+    """Collective timeout in seconds: a rank waiting this long for a peer (dead or hung) fails instead of waiting
+    forever. Raise it when a checkpoint save or the first (compiled) step takes longer."""
+    max_restarts: int = 0
+    """Restart every rank up to this many times after a rank fails (torch.distributed.run's --max-restarts; moeflow
+    train then starts its ranks through it, also a single one); each restart resumes from the newest complete
+    checkpoint. --max-restarts N overrides it."""
 
 
 @dataclass
@@ -136,6 +150,9 @@ class EvalConfig:
 class MetricsConfig:
     log_every: int = 10
     """Write a metrics line every this many steps."""
+    straggler_factor: float = 1.5
+    """Name in the log and metrics.jsonl ('stragglers') every rank whose busy time per step, over the steps since
+    the last metrics line, exceeds this many times the median rank's (the lower median). 0 = off."""
     tensorboard: bool = True
     """Also write TensorBoard event files to RUN_DIR/tb."""
 
@@ -144,10 +161,15 @@ class MetricsConfig:
 class CheckpointConfig:
     every: int = 100
     """Save every this many steps (and at the end); 0 = only at the end."""
-    keep: int = 2
-    """Keep the newest this many complete checkpoints."""
+    keep_last: int = 2
+    """Keep the newest this many complete checkpoints (older ones are deleted once a newer one is complete), so
+    checkpoints use at most keep_last + 1 checkpoints' worth of disk. Also accepted as checkpoint.keep."""
     enabled: bool = True
     """Write checkpoints at all."""
+    async_save: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint.async_save): the step only copies the
+    state to host memory (one extra copy of it) and training goes on while it is written; the checkpoint is
+    complete (manifest, rename) once the write ends. Also accepted as checkpoint.async."""
 
 
 @dataclass
@@ -196,7 +218,20 @@ class JobConfig:
         if p.ep_num_worst_tokens < -1:
             raise ValueError(f"parallel.ep_num_worst_tokens = {p.ep_num_worst_tokens}; use 0 (exact sizes), -1 (static "
                              f"sizes that never drop a token) or a number of rows")
+        self._validate_fault_settings()
         return self
+
+    def _validate_fault_settings(self) -> None:
+        checks = [("parallel.timeout_s", self.parallel.timeout_s > 0, "a positive number of seconds"),
+                  ("parallel.max_restarts", self.parallel.max_restarts >= 0, "0 or more"),
+                  ("training.step_timeout_s", self.training.step_timeout_s >= 0, "0 (off) or seconds"),
+                  ("metrics.straggler_factor", self.metrics.straggler_factor == 0 or self.metrics.straggler_factor > 1,
+                   "0 (off) or more than 1, e.g. 1.5"),
+                  ("checkpoint.keep_last", self.checkpoint.keep_last >= 1, "1 or more")]
+        for key, ok, expected in checks:
+            if not ok:
+                section, name = key.split(".")
+                raise ValueError(f"{key} = {getattr(getattr(self, section), name)}; use {expected}")
 
     def layout(self, world_size: int) -> tuple[ParallelDims, BatchSplit]:
         """The run's parallel sizes and batch split on `world_size` ranks, every rule checked (the one place a
@@ -278,7 +313,12 @@ def _convert(key: str, hint, value):
     raise ValueError(f"{key} expects {names}, got {value!r}")
 
 
+# Other spellings of a key: an older name, and the name the docs use where the field cannot have it (a keyword).
+ALIASES = {"checkpoint.keep": "checkpoint.keep_last", "checkpoint.async": "checkpoint.async_save"}
+
+
 def _set(cfg: JobConfig, key: str, value) -> None:
+    key = ALIASES.get(key, key)
     keys = all_keys()
     if key not in keys:
         raise ValueError(f"unknown config key '{key}'.{closest(key, keys)} See `moeflow train --help-config`.")

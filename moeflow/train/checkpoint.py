@@ -4,6 +4,12 @@ Atomic: every rank writes into step-N.tmp/; when all are done, rank 0 writes a m
 each file's size) and renames the folder. A folder without a manifest, or whose files do not match
 it, is refused on resume (and the previous complete one is used), so a crash mid-save loses nothing.
 Keys are layout-independent (moeflow.train.state), so a checkpoint reloads under another layout.
+
+With checkpoint.async_save the tensors are copied to host memory during the step and written by a background
+thread (torch.distributed.checkpoint.async_save, over a process group of its own so its collectives never
+interleave with training's); rank 0 writes the manifest and renames the folder once the write has finished, so
+a crash before that leaves the previous complete checkpoint in place. A write that fails (a full or read-only
+disk) raises CheckpointWriteError on every rank with one line; the partial folder is removed and never renamed.
 """
 
 from __future__ import annotations
@@ -12,14 +18,19 @@ import json
 import os
 import re
 import shutil
+import threading
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moeflow.train import state
 from moeflow.train.distributed import barrier, broadcast_object
+from moeflow.train.faults import CheckpointWriteError, inject_before_commit
 
 MANIFEST = "COMPLETE.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -80,10 +91,54 @@ def load_state(path: Path, parts: list, optimizer, fix: str, model_only: bool = 
     state.apply(parts, optimizer, flat)
 
 
+def check_writable(run_dir: str | Path, rank: int) -> None:
+    """Fail on every rank before the first step when rank 0 cannot write the run dir (a read-only or full disk),
+    rather than after a checkpoint interval of work that could not be kept."""
+    run_dir, problem = Path(run_dir), None
+    if rank == 0:
+        try:
+            for folder in (run_dir, run_dir / "checkpoints"):
+                folder.mkdir(parents=True, exist_ok=True)
+                probe = folder / f".write-test-{os.getpid()}"
+                probe.write_bytes(b"moeflow")
+                probe.unlink()
+            for existing in (run_dir / "metrics.jsonl", run_dir / "config.toml"):
+                if existing.exists():
+                    open(existing, "a").close()  # appending nothing: writable, unchanged
+        except OSError as e:
+            problem = str(e)
+    problem = broadcast_object(problem)
+    if problem:
+        raise CheckpointWriteError(f"the run dir {run_dir} is not writable ({problem}); nothing in it was changed "
+                                   f"and its checkpoints are intact. Make it writable or give another --run-dir")
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of the root cause: DCP wraps each rank's exception in a CheckpointException."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+@dataclass
+class _Pending:
+    """An async save in flight; `done` is set by the writer thread once it is written (and, on rank 0, committed)."""
+
+    step: int
+    tmp: Path
+    final: Path
+    future: object
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
 class CheckpointManager:
-    def __init__(self, run_dir: str | Path, keep: int, rank: int):
+    def __init__(self, run_dir: str | Path, keep: int, rank: int, async_save: bool = False):
         self.root = Path(run_dir) / "checkpoints"
-        self.keep, self.rank = keep, rank
+        self.keep, self.rank, self.async_save = keep, rank, async_save
+        self.pending: _Pending | None = None  # an async save in flight
+        # The background write runs its collectives on a group of its own (gloo: it works on host copies).
+        self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
         """Complete checkpoints, newest first; incomplete or corrupted ones are reported and skipped."""
@@ -99,37 +154,135 @@ class CheckpointManager:
                         warnings.warn(f"refusing checkpoint {p}: {problem}; using an older one", stacklevel=2)
         return sorted(found, reverse=True)
 
-    def save(self, step: int, model, optimizer, extra: dict) -> Path:
-        final = self.root / f"step-{step}"
-        tmp = self.root / f"step-{step}.tmp"
+    def _agree(self, step: int, tmp: Path, error: BaseException | None) -> None:
+        """Every rank raises CheckpointWriteError if any rank failed (so none waits in a collective for a peer that
+        gave up); rank 0 removes the partial folder."""
+        failed = torch.tensor([float(error is not None)])
+        if dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                failed = failed.cuda()
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if not float(failed):
+            return
+        reasons = [_reason(error) if error is not None else None]
+        if dist.is_initialized():
+            reasons = [None] * dist.get_world_size()
+            dist.all_gather_object(reasons, _reason(error) if error is not None else None)
+        rank, reason = next((r, why) for r, why in enumerate(reasons) if why is not None)
+        if dist.is_initialized():
+            reason = f"rank {rank}: {reason}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier()
-        flat = state.gather([model], optimizer)
-        with warnings.catch_warnings():  # DCP warns that a 1-process save is a 1-process save
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(flat, checkpoint_id=str(tmp))
-        # RNG state differs per rank, so each rank keeps its own small file.
-        torch.save({"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   tmp / f"rng-rank{self.rank}.pt")
-        barrier()
+        raise CheckpointWriteError(self._failed(step, tmp, reason)) from error
+
+    def _failed(self, step: int, tmp: Path, reason: str) -> str:
+        newest = self.complete_checkpoints()
+        kept = (f"the newest complete checkpoint, {newest[0][1].name}, is intact and the next start resumes there"
+                if newest else "no complete checkpoint exists yet")
+        return (f"checkpoint step-{step} could not be written to {tmp} ({reason}); nothing half-written is kept: "
+                f"{kept}. Free disk space (checkpoint.keep_last bounds what checkpoints use) or give a writable "
+                f"--run-dir")
+
+    def save(self, step: int, model, optimizer, extra: dict) -> Path:
+        """Write step-N. Synchronous: complete on return. Async: the tensors are copied now and written in the
+        background; `poll` (every step) or `wait` completes it."""
+        self.wait()
+        final = self.root / f"step-{step}"
+        tmp = self.root / f"step-{step}.tmp"
+        error = None
         if self.rank == 0:
-            (tmp / "extra.json").write_text(json.dumps({**extra, "format": FORMAT}, indent=1))
-            files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
-            with open(tmp / MANIFEST, "w") as fh:
-                json.dump({"step": step, "files": files}, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            for _, old in self.complete_checkpoints()[self.keep:]:
-                shutil.rmtree(old, ignore_errors=True)
-        barrier()
+            try:
+                for stale in self.root.glob("step-*.tmp"):  # left by a crash mid-save; none is in flight now
+                    shutil.rmtree(stale)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = e
+        self._agree(step, tmp, error)
+        try:  # this rank's own files first: a failure here is agreed on before any rank enters DCP's collectives
+            flat = state.gather([model], optimizer)
+            # RNG state differs per rank, so each rank keeps its own small file.
+            torch.save({"cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                       tmp / f"rng-rank{self.rank}.pt")
+            if self.rank == 0:
+                (tmp / "extra.json").write_text(json.dumps({**extra, "format": FORMAT}, indent=1))
+        except OSError as e:
+            error = e
+        self._agree(step, tmp, error)
+        try:  # DCP gathers every rank's exception and raises on all of them
+            with warnings.catch_warnings():  # DCP warns that a 1-process save is a 1-process save
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                if self.async_save:
+                    future = dcp.async_save(flat, checkpoint_id=str(tmp), process_group=self._group)
+                else:
+                    dcp.save(flat, checkpoint_id=str(tmp))
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            error = e
+        self._agree(step, tmp, error)
+        if self.async_save:
+            pending = self.pending = _Pending(step, tmp, final, future)
+            future.add_done_callback(lambda _: self._on_written(pending))
+            return final
+        self._finish(step, tmp, final)
         return final
+
+    def poll(self) -> None:
+        """Raise now if the async save in flight failed; forget it once it is complete. No collective."""
+        if self.pending is not None and self.pending.done.is_set():
+            self._complete_pending()
+
+    def wait(self) -> None:
+        """Wait for the async save in flight, if any, to be written and committed. No collective."""
+        if self.pending is not None:
+            self.pending.done.wait()
+            self._complete_pending()
+
+    def _on_written(self, pending: _Pending) -> None:
+        """Runs in the writer thread when this rank's write ends: rank 0 commits at once (its write finishing means
+        every rank's has, since DCP ends a save with a collective), so a crash a moment later loses nothing."""
+        try:
+            pending.future.result()
+            if self.rank == 0:
+                self._commit(pending.step, pending.tmp, pending.final)
+        except (Exception, CheckpointException) as e:
+            pending.error = e
+            if self.rank == 0:
+                shutil.rmtree(pending.tmp, ignore_errors=True)
+        finally:
+            pending.done.set()
+
+    def _complete_pending(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending.error is not None:
+            # each rank finds out at its own step, so each says it
+            raise CheckpointWriteError(self._failed(pending.step, pending.tmp, _reason(pending.error)),
+                                       agreed=False) from pending.error
+
+    def _finish(self, step: int, tmp: Path, final: Path) -> None:
+        """Synchronous save: rank 0 commits once every rank has written; every rank learns whether it worked."""
+        barrier()
+        error = None
+        if self.rank == 0:
+            try:
+                self._commit(step, tmp, final)
+            except OSError as e:
+                error = e
+        self._agree(step, tmp, error)
+
+    def _commit(self, step: int, tmp: Path, final: Path) -> None:
+        """Rank 0: manifest, atomic rename, then drop checkpoints beyond keep_last."""
+        inject_before_commit(step)
+        files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+        with open(tmp / MANIFEST, "w") as fh:
+            json.dump({"step": step, "files": files}, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        for _, old in self.complete_checkpoints()[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path, model, optimizer) -> dict:
         extra = json.loads((path / "extra.json").read_text())

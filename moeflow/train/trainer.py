@@ -15,8 +15,9 @@ from tqdm import tqdm
 
 from moeflow.config import JobConfig, to_toml
 from moeflow.train.build import Setup, build
-from moeflow.train.checkpoint import CheckpointManager
+from moeflow.train.checkpoint import CheckpointManager, check_writable
 from moeflow.train.distributed import init_distributed
+from moeflow.train.faults import Preempted, StepGuard, make_deterministic
 from moeflow.train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_mb
 from moeflow.train.step import evaluate, state_bytes, train_step
 
@@ -24,18 +25,25 @@ from moeflow.train.step import evaluate, state_bytes, train_step
 def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: bool = True) -> dict:
     """Train; resume from the newest complete checkpoint in run_dir unless `fresh`.
     `resume=True` makes a missing checkpoint an error. Returns the summary (also in summary.json)."""
-    info = init_distributed(cfg.training.device)
+    info = init_distributed(cfg.training.device, cfg.parallel.timeout_s)
     dims, batch = cfg.layout(info.world_size)
-    s = build(cfg, info, dims, batch)
     run_dir = Path(cfg.run_dir)
-    ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep, info.rank)
+    check_writable(run_dir, info.rank)
+    if cfg.training.deterministic:
+        make_deterministic()
+    s = build(cfg, info, dims, batch)
+    ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep_last, info.rank, cfg.checkpoint.async_save)
     start, resumed_from = _resume(cfg, s, ckpt, resume, fresh)
     if info.is_main:
         _truncate_metrics(run_dir / "metrics.jsonl", start)  # lines the resumed (or fresh) run will log again
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
     t_start = time.perf_counter()
-    loop = _run_steps(cfg, s, ckpt, start, progress)
+    guard = StepGuard(cfg, info)  # stop signals, the step watchdog, stragglers (moeflow/train/faults.py)
+    try:
+        loop = _run_steps(cfg, s, ckpt, start, progress, guard)
+    finally:
+        guard.close()
     return _summary(cfg, s, start, loop, resumed_from, time.perf_counter() - t_start)
 
 
@@ -65,8 +73,10 @@ def _due(every: int, step: int, is_last: bool) -> bool:
     return bool(every) and step % every == 0 or is_last
 
 
-def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, progress: bool) -> dict:
-    """Steps start+1 .. stop; evaluation, metrics and checkpoints when due. Returns what the summary needs."""
+def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, progress: bool,
+               guard: StepGuard) -> dict:
+    """Steps start+1 .. stop; evaluation, metrics and checkpoints when due. Returns what the summary needs.
+    A stop signal on any rank ends the run after the current step with a checkpoint (raises Preempted)."""
     t, info = cfg.training, s.info
     stop = min(t.steps, t.stop_at) if t.stop_at > 0 else t.steps
     logger = MetricsLogger(Path(cfg.run_dir), info.is_main, cfg.metrics.tensorboard)
@@ -80,7 +90,10 @@ def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, pr
     t_window, steps_window, tokens_per_s = time.perf_counter(), 0, 0.0
     for step in range(start + 1, stop + 1):
         is_last = step == stop
+        guard.begin(step)
         out = train_step(cfg, s, with_moe_stats=_due(cfg.metrics.log_every, step, is_last), measure=is_last)
+        stopping = guard.end(step) and not is_last
+        ckpt.poll()
         steps_window += 1
         loop["first_loss"] = out["loss"] if loop["first_loss"] is None else loop["first_loss"]
         loop["last_loss"], loop["grad_bytes"] = out["loss"], out["grad_bytes"]
@@ -102,14 +115,21 @@ def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, pr
                 record["val_loss"] = loop["val_loss"]
             if "moe" in out:
                 record["moe"] = out["moe"]
+            record.update(guard.log_record(step))
             logger.log(step, record)
-        if cfg.checkpoint.enabled and _due(cfg.checkpoint.every, step, is_last):
+        if cfg.checkpoint.enabled and (_due(cfg.checkpoint.every, step, is_last) or stopping):
             extra = {"step": step, "scheduler": s.scheduler.state_dict(), "sampler": s.sampler.state_dict(),
                      "layout": s.layout}
             loop["checkpoint"] = ckpt.save(step, s.model, s.optimizer, extra)
+        if stopping:
+            ckpt.wait()
+            bar.close()
+            logger.close()
+            raise Preempted(step, guard.stop_signal, loop["checkpoint"] if cfg.checkpoint.enabled else None)
         bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.1e}", tok_s=f"{tokens_per_s:,.0f}")
         bar.update(1)
     bar.close()
+    ckpt.wait()  # an async save still in flight completes before the summary names it
     logger.close()
     return loop
 
