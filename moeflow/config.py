@@ -100,6 +100,10 @@ class ParallelConfig:
     """Pipeline micro-batches per step; 0 = per-rank batch / training.micro_batch (one sequence each if unset)."""
     ep_backend: str = "auto"
     """moeflow.ep backend: 'auto', 'alltoall', 'hierarchical', 'allgather'."""
+    cp: int = 1
+    """Context-parallel size: each sequence is split over cp ranks (rank r keeps chunks r and 2cp-1-r of 2cp,
+    which balances causal attention) and attention all-gathers keys and values over them, for sequences longer
+    than one rank's memory allows. data.seq_len must be divisible by 2 x cp; parallel.ep may borrow cp ranks."""
 
 
 @dataclass
@@ -174,8 +178,9 @@ class JobConfig:
         job's layout is validated; the launcher calls it before starting ranks, each rank once at start)."""
         p, t = self.parallel, self.training
         dims = ParallelDims(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
-                            zero=p.zero, pp_schedule=p.pp_schedule)
+                            zero=p.zero, pp_schedule=p.pp_schedule, cp=p.cp)
         dims.check_model(self.model)
+        dims.check_sequence(self.data.seq_len)
         return dims, dims.split_batch(t.global_batch, t.micro_batch, p.pp_microbatches)
 
 

@@ -36,6 +36,8 @@ LAYOUTS = {
         "pp2-1f1b": ["--parallel.pp=2", "--parallel.pp_schedule=1F1B"],
         "pp2-interleaved": ["--parallel.pp=2", "--parallel.pp_schedule=Interleaved1F1B"],
         "pp2-zbv": ["--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble"],
+        "cp2": ["--parallel.cp=2"],
+        "cp2-ep2": ["--parallel.cp=2", "--parallel.ep=2"],  # EP borrows the two cp ranks
     },
     4: {
         "hsdp2x2": ["--parallel.dp_replicate=2"],
@@ -46,18 +48,23 @@ LAYOUTS = {
         "ep2-tp2": ["--parallel.ep=2", "--parallel.tp=2"],
         "ep2-pp2": ["--parallel.ep=2", "--parallel.pp=2"],
         "hsdp2x2-ep2": ["--parallel.dp_replicate=2", "--parallel.ep=2"],
+        "cp2-tp2": ["--parallel.cp=2", "--parallel.tp=2"],
+        "cp2-ep2-dp2": ["--parallel.cp=2", "--parallel.ep=2"],
+        "cp2-pp2": ["--parallel.cp=2", "--parallel.pp=2"],
     },
     8: {
         "tp2-pp2-dp2": ["--parallel.tp=2", "--parallel.pp=2"],
     },
 }
 # The planner's ZeRO memory model (moeflow.plan.memory) against the bytes training measured, per layout:
-# (dp_replicate, dp_shard, tp, pp, ep, zero). Layouts with tp are left out: the planner models expert-tensor
+# (dp_replicate, dp_shard, tp, pp, ep, zero[, cp]). Layouts with tp are left out: the planner models expert-tensor
 # parallelism, while moeflow computes MoE layers whole on every tp rank (README, known limits).
 PLANNED = {
     "dp2-zero1": (1, 2, 1, 1, 1, 1), "dp2-zero3": (1, 2, 1, 1, 1, 3), "ep2": (1, 2, 1, 1, 2, 3),
     "pp2-1f1b": (1, 1, 1, 2, 1, 3), "hsdp2x2": (2, 2, 1, 1, 1, 3), "ep4": (1, 4, 1, 1, 4, 3),
     "ep2-dp4": (1, 4, 1, 1, 2, 3), "pp2-dp2": (1, 2, 1, 2, 1, 3), "hsdp2x2-ep2": (2, 2, 1, 1, 2, 3),
+    "cp2": (1, 1, 1, 1, 1, 3, 2), "cp2-ep2": (1, 1, 1, 1, 2, 3, 2), "cp2-ep2-dp2": (1, 2, 1, 1, 2, 3, 2),
+    "cp2-pp2": (1, 1, 1, 2, 1, 3, 2),
 }
 # Resharded resume: steps 1-2 under dp=4, 3-4 under tp=2 x dp=2, 5-6 under ep=2 x pp=2.
 RESHARD = [["--training.stop_at=2"], ["--parallel.tp=2", "--training.stop_at=4"],
@@ -73,7 +80,7 @@ def _planned_elements(cfg, sizes) -> dict[str, float]:
 
     job = Job(cfg.model, get_gpu("H100-80GB"), nodes=1, gpus_per_node=8, seq_len=cfg.data.seq_len,
               global_batch_tokens=cfg.data.seq_len * cfg.training.global_batch)
-    lay = Layout(*sizes, micro_batch=1, activation_checkpointing="none")
+    lay = Layout(*sizes[:6], micro_batch=1, activation_checkpointing="none", cp=sizes[6] if len(sizes) > 6 else 1)
     stages = stage_layers(cfg.model.n_layers, lay.pp)
     per_stage = [model_state_bytes(*stage_params(job, layers, i == 0, i == lay.pp - 1), lay)
                  for i, layers in enumerate(stages)]

@@ -16,6 +16,8 @@ BAD = [
     (["--parallel.pp=2", "--parallel.pp_microbatches=3"], 2, ["micro-batches (3) must divide"]),
     (["--parallel.zero=1", "--parallel.ep=2"], 2, ["parallel.zero = 1", "not supported yet"]),
     (["--parallel.tp=2", "--model.name=deepseek-v3"], 2, ["not supported with parallel.tp > 1"]),
+    (["--parallel.cp=2", "--data.seq_len=18"], 2, ["data.seq_len (18) must be divisible by 2 x parallel.cp (= 4)"]),
+    (["--parallel.cp=2", "--parallel.ep=4"], 2, ["parallel.ep (4) must divide", "(dp_shard x cp = 1 x 2 = 2)"]),
 ]
 
 

@@ -485,7 +485,7 @@ def case_parallelize_adds_no_attributes():
     layouts = [dict(), dict(activation_checkpointing="full")]
     if world == 2:
         layouts += [dict(ep=2), dict(tp=2), dict(pp=2, pp_schedule="GPipe", microbatches=2), dict(zero=1),
-                    dict(ep=2, activation_checkpointing="full")]
+                    dict(ep=2, activation_checkpointing="full"), dict(cp=2), dict(cp=2, ep=2)]
     for layout in layouts:
         model = moeflow_model("moe", tie_embeddings=False)
         before = {name: set(vars(m)) for name, m in model.named_modules()}

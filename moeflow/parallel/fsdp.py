@@ -21,7 +21,9 @@ def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: Para
     fsdp = {"reshard_after_forward": dims.zero == 3}
     if mixed_precision is not None:
         fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
-    dp_mesh = submesh(mesh, "dp_replicate", "dp_shard") if dims.dp_replicate > 1 else submesh(mesh, "dp_shard")
+    # the data-parallel ranks and the context-parallel ones: both hold replicas of the dense weights
+    dp_mesh = (submesh(mesh, "dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else
+               submesh(mesh, "dp_shard_cp"))
     expert_mesh = submesh(mesh, "dp_replicate", "efsdp") if dims.dp_replicate > 1 else submesh(mesh, "efsdp")
     for block in blocks.values():
         for moe in (m for m in block.modules() if isinstance(m, MoE)):
@@ -33,9 +35,9 @@ def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: Para
                 # after backward instead of mid-backward (see DeferredSyncExperts).
                 experts.__class__ = DeferredSyncExperts
             fully_shard(experts, mesh=expert_mesh, shard_placement_fn=balanced_shard(expert_mesh.size()), **fsdp)
-            # FSDP averages over the expert mesh (dp / ep ranks), but each expert's gradient sums the tokens of
-            # all dp ranks (they arrive through the EP group): divide by dp instead.
-            experts.set_gradient_divide_factor(float(dims.dp))
+            # FSDP averages over the expert mesh (dp x cp / ep ranks), but each expert's gradient sums the tokens
+            # of all dp x cp ranks (they arrive through the EP group): divide by dp x cp instead.
+            experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
             if device_type == "cpu" and dims.efsdp > 1:
                 # gloo has no PREMUL_SUM: sum, then divide locally. Not when the reduce-scatter group has one
                 # rank: torch 2.13 then divides in its local copy and again after (found by tests/test_layouts.py:

@@ -1,4 +1,9 @@
-"""The DeviceMesh of a ParallelDims: dims (pp, dp_replicate, efsdp, ep, tp), plus flattened dp_shard and dp views."""
+"""The DeviceMesh of a ParallelDims: dims (pp, dp_replicate, efsdp, ep, tp), plus flattened dp_shard_cp and dp_cp
+views, and the cp mesh.
+
+efsdp x ep covers the dp_shard x cp ranks (both are row-major splits of the same block, cp innermost), so expert
+parallelism can borrow context-parallel ranks; without cp, dp_shard_cp is dp_shard and dp_cp is dp.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +19,15 @@ MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     mesh = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.efsdp, dims.ep, dims.tp),
                             mesh_dim_names=MESH_DIMS)
-    mesh["efsdp", "ep"]._flatten("dp_shard")
-    mesh["dp_replicate", "efsdp", "ep"]._flatten("dp")
+    mesh["efsdp", "ep"]._flatten("dp_shard_cp")  # FSDP shards the dense weights over these
+    mesh["dp_replicate", "efsdp", "ep"]._flatten("dp_cp")
     return mesh
+
+
+def cp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The 1-D mesh of this rank's context-parallel group: dp_shard_cp split into (dp_shard, cp), cp innermost,
+    so the ranks of one sequence are neighbours (inside a node on a cluster)."""
+    return submesh(mesh, "dp_shard_cp")._unflatten(0, (dims.dp_shard, dims.cp), ("dp_shard", "cp"))["cp"]
 
 
 def submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:

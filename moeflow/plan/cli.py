@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--efficiency", type=float, help="override the fraction of peak FLOP/s reached (0-1]")
     for dim in ("tp", "pp", "ep", "zero"):
         p.add_argument(f"--{dim}", type=int, help=f"pin {dim} to this value instead of searching it")
+    p.add_argument("--cp", type=int, help="plan context parallelism of this size (default 1: not searched)")
     p.add_argument("--top", type=int, default=5, help="feasible layouts to show (default 5)")
     p.add_argument("--infeasible", type=int, default=3, help="close infeasible layouts to show (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON (key 'layouts') instead of a table")
@@ -117,20 +118,23 @@ def plan(job: Job, cons: Constraints | None = None, top: int = 5, infeasible: in
 
 def format_table(out: dict) -> str:
     j = out["job"]
+    cp_head = f"{'cp':>3} " if any(r.get("cp", 1) > 1 for r in out["layouts"]) else ""  # only when planned
     lines = [
         f"{j['model']} ({j['params'] / 1e9:.1f}B total, {j['active_params'] / 1e9:.1f}B active) on "
         f"{j['nodes']}x{j['gpus_per_node']} {j['gpu']}, seq {j['seq_len']}, {j['global_batch_tokens']} tokens/step, "
         f"{j['precision']}; {out['searched']} layouts searched, {out['feasible']} fit",
         "",
-        f"{'#':>3} {'dp_rep':>6} {'dp_sh':>5} {'tp':>3} {'pp':>3} {'ep':>4} {'zero':>4} {'mb':>3} {'ac':>9} "
+        f"{'#':>3} {'dp_rep':>6} {'dp_sh':>5} {'tp':>3} {'pp':>3} {'ep':>4} {cp_head}{'zero':>4} {'mb':>3} {'ac':>9} "
         f"{'mem GB':>7} {'(p/g/o/act)':>22} {'tok/s/GPU':>10} {'MFU':>5} {'step s':>7} {'bubble':>6}",
     ]
     for i, r in enumerate(out["layouts"]):
         m, t = r["memory_gb"], r["time_s"]
         parts = f"{m['params']:.1f}/{m['grads']:.1f}/{m['optimizer']:.1f}/{m['activations']:.1f}"
         mark = f"{i + 1:>3}" if r["feasible"] else "  x"
+        cp_cell = f"{r.get('cp', 1):>3} " if cp_head else ""
         lines.append(
             f"{mark} {r['dp_replicate']:>6} {r['dp_shard']:>5} {r['tp']:>3} {r['pp']:>3} {r['ep']:>4} "
+            f"{cp_cell}"
             f"{r['zero']:>4} {r['micro_batch']:>3} {r['activation_checkpointing']:>9} {m['total']:>7.1f} "
             f"{parts:>22} {r['tokens_per_s_per_gpu']:>10.0f} {r['mfu']:>5.1%} {t.get('step_s', 0):>7.2f} "
             f"{t.get('bubble_fraction', 0):>6.1%}"
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu = replace(gpu, efficiency=args.efficiency)
         job = Job(cfg, gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch_tokens,
                   args.precision, args.intra_gbps, args.inter_gbps)
-        cons = Constraints(args.tp, args.pp, args.ep, args.zero)
+        cons = Constraints(args.tp, args.pp, args.ep, args.zero, args.cp)
         out = plan(job, cons, args.top, args.infeasible)
     except ValueError as e:
         print(f"moeflow plan: error: {e}", file=sys.stderr)

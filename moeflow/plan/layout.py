@@ -92,6 +92,7 @@ class Layout:
     zero: int
     micro_batch: int
     activation_checkpointing: str
+    cp: int = 1  # context parallel: ranks one sequence is split over (they see the same data)
 
     @property
     def dp(self) -> int:
@@ -99,7 +100,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def num_micro_batches(self, job: Job) -> int:
         """Micro-batches per step per pipeline: global batch = dp * m * micro_batch * seq_len."""
@@ -111,4 +112,5 @@ class Layout:
 
     def short(self) -> str:
         return (f"dp{self.dp_replicate}x{self.dp_shard} tp{self.tp} pp{self.pp} ep{self.ep} "
+                f"{f'cp{self.cp} ' if self.cp > 1 else ''}"
                 f"z{self.zero} mb{self.micro_batch} ac={self.activation_checkpointing}")

@@ -1,10 +1,10 @@
 """Enumerate layouts, score each with the memory and time model, rank them.
 
-A layout: world = dp_replicate * dp_shard * tp * pp, with tp inside a node (a search choice: TP across nodes
-is never fast); every layout listed also passes moeflow.layout.ParallelDims, the rules the trainer checks
-(so the planner never recommends what `moeflow train` refuses); zero 1/2/3 acts on dp_shard (with
-dp_shard = 1 only zero 1 is listed, it is plain replication); micro_batch and activation checkpointing fill
-the rest. Feasible = fits in memory and the global batch splits into whole micro-batches.
+A layout: world = dp_replicate * dp_shard * cp * tp * pp (cp only when pinned, --cp), with tp inside a node
+(a search choice: TP across nodes is never fast); every layout listed also passes moeflow.layout.ParallelDims,
+the rules the trainer checks (so the planner never recommends what `moeflow train` refuses); zero 1/2/3 acts on
+dp_shard (with dp_shard = 1 only zero 1 is listed, it is plain replication); micro_batch and activation
+checkpointing fill the rest. Feasible = fits in memory and the global batch splits into whole micro-batches.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class Constraints:
     pp: int | None = None
     ep: int | None = None
     zero: int | None = None
+    cp: int | None = None  # context parallelism is planned only when pinned (None: 1)
     extra: dict = field(default_factory=dict)
 
     def check(self, job: Job) -> None:
@@ -65,16 +66,20 @@ class Constraints:
             raise ValueError(f"--ep ({self.ep}) must divide the {w} GPUs")
         if self.zero is not None and self.zero not in (1, 2, 3):
             raise ValueError(f"--zero ({self.zero}) must be 1, 2 or 3")
+        if self.cp is not None and (self.cp < 1 or w % (self.cp * (self.tp or 1) * (self.pp or 1))):
+            raise ValueError(f"--cp ({self.cp}) x --tp x --pp must divide the {w} GPUs")
         # The pinned sizes against the model, by the trainer's own rules.
-        refusal = trainer_refusal(job, self.tp or 1, self.pp or 1, self.ep or 1, 1, 3)
+        refusal = trainer_refusal(job, self.tp or 1, self.pp or 1, self.ep or 1, 1, 3, self.cp or 1)
         if refusal:
             raise ValueError(f"the pinned sizes cannot train this model: {refusal}")
 
 
-def trainer_refusal(job: Job, tp: int, pp: int, ep: int, dp_replicate: int, zero: int) -> str | None:
+def trainer_refusal(job: Job, tp: int, pp: int, ep: int, dp_replicate: int, zero: int, cp: int = 1) -> str | None:
     """Why `moeflow train` would refuse these sizes for this model (moeflow.layout.ParallelDims), or None."""
     try:
-        ParallelDims(job.world, dp_replicate=dp_replicate, tp=tp, pp=pp, ep=ep, zero=zero).check_model(job.model)
+        dims = ParallelDims(job.world, dp_replicate=dp_replicate, tp=tp, pp=pp, ep=ep, zero=zero, cp=cp)
+        dims.check_model(job.model)
+        dims.check_sequence(job.seq_len)
     except ValueError as e:
         return str(e)
     return None
@@ -86,25 +91,27 @@ def candidates(job: Job, cons: Constraints | None = None):
     tps = [t for t in powers_of_two_upto(g) if g % t == 0]
     pps = [p for p in powers_of_two_upto(min(cfg.n_layers, 64)) if w % p == 0]
     E = cfg.moe.num_experts if cfg.is_moe else 1
+    cp = cons.cp or 1
     for tp in tps if cons.tp is None else [cons.tp]:
         for pp in pps if cons.pp is None else [cons.pp]:
-            if w % (tp * pp):
+            if w % (tp * pp * cp):
                 continue
-            dp = w // (tp * pp)
+            dp = w // (tp * pp * cp)
             # dp_shard: the whole dp group (FSDP / ZeRO) or a power of two inside it (HSDP)
             shards = sorted({d for d in powers_of_two_upto(dp) if dp % d == 0} | {dp})
             for dp_shard in shards:
-                eps = [e for e in powers_of_two_upto(dp_shard) if E % e == 0 and dp_shard % e == 0]
+                borrowable = dp_shard * cp  # EP borrows from dp_shard x cp
+                eps = [e for e in powers_of_two_upto(borrowable) if E % e == 0 and borrowable % e == 0]
                 for ep in eps if cons.ep is None else [cons.ep]:
-                    if dp_shard % ep:
+                    if borrowable % ep:
                         continue
                     zeros = (1,) if dp_shard == 1 else (1, 2, 3)
                     for zero in zeros if cons.zero is None else [cons.zero]:
-                        if trainer_refusal(job, tp, pp, ep, dp // dp_shard, zero):
+                        if trainer_refusal(job, tp, pp, ep, dp // dp_shard, zero, cp):
                             continue
                         for mb in MICRO_BATCHES:
                             for ac in AC_MODES:
-                                yield Layout(dp // dp_shard, dp_shard, tp, pp, ep, zero, mb, ac)
+                                yield Layout(dp // dp_shard, dp_shard, tp, pp, ep, zero, mb, ac, cp)
 
 
 def evaluate(job: Job, lay: Layout) -> Result:

@@ -20,6 +20,8 @@
   micro-batch (overlapped with that backward) and gathers weights once per step; ZeRO-3 all-gathers the
   weights forward and backward and reduce-scatters gradients each micro-batch (1.5x all-reduce volume),
   overlapped with that micro-batch's compute. Only the part longer than its overlap window is exposed.
+- CP (context parallelism, `cp_time`): each GPU computes S/cp tokens of a sequence; per layer an all-gather of
+  the whole sequence's K and V forward and a reduce-scatter of their gradients backward, not overlapped.
 The optimizer step and data loading are not modelled.
 """
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from moeflow.plan.layout import Job, Layout
-from moeflow.plan.memory import stage_layers, stage_params
+from moeflow.plan.memory import kv_width, stage_layers, stage_params
 from moeflow.sim.ep import Links, expected_uniform_copies, row_bytes
 
 
@@ -53,7 +55,7 @@ def step_time(job: Job, lay: Layout) -> dict[str, float]:
     m = lay.num_micro_batches(job)
     s, b, t = job.seq_len, lay.micro_batch, lay.tp
     peak = gpu.peak_flops(job.precision)
-    tokens_mb = s * b  # tokens of one micro-batch of one data-parallel replica
+    tokens_mb = s * b / lay.cp  # tokens of one micro-batch of one data-parallel replica on one cp rank
 
     # ---- compute ------------------------------------------------------------------------
     st = job.stats
@@ -93,7 +95,8 @@ def step_time(job: Job, lay: Layout) -> dict[str, float]:
     if lay.pp > 1:
         t_p2p = 2 * (links.alpha_inter_s + tokens_mb * cfg.dim * 2 / t / (links.inter_gbps * 1e9))
 
-    t_mb = t_compute + t_tp + t_ep + t_p2p
+    t_cp = cp_time(job, lay, links)
+    t_mb = t_compute + t_tp + t_ep + t_p2p + t_cp
     t_pipe = (m + lay.pp - 1) * t_mb
 
     # ---- DP / ZeRO ------------------------------------------------------------------------------
@@ -126,6 +129,7 @@ def step_time(job: Job, lay: Layout) -> dict[str, float]:
         "tp_s": m * t_tp,
         "ep_s": m * t_ep,
         "pp_p2p_s": m * t_p2p,
+        "cp_s": m * t_cp,
         "bubble_s": (lay.pp - 1) * t_mb,
         "dp_exposed_s": t_dp,
         "bubble_fraction": (lay.pp - 1) / (m + lay.pp - 1),
@@ -133,3 +137,19 @@ def step_time(job: Job, lay: Layout) -> dict[str, float]:
         "tokens_per_s_per_gpu": tps,
         "mfu": fpt * tps / peak,
     }
+
+
+def cp_time(job: Job, lay: Layout, links: Links) -> float:
+    """Seconds per micro-batch of context parallelism's collectives (moeflow.parallel.context) on the fullest
+    stage: per layer an all-gather of the whole sequence's bf16 keys and values (this tp rank's heads) over the
+    cp ranks, a reduce-scatter of their gradients in backward, and one more all-gather when full activation
+    checkpointing recomputes the forward. Ring volumes (cp-1)/cp of the whole buffer; inside a node when
+    cp x tp GPUs fit in one (cp sits next to tp in the mesh); not overlapped with compute (an assumption)."""
+    if lay.cp == 1:
+        return 0.0
+    kv_bytes = 2 * job.seq_len * lay.micro_batch * kv_width(job.model) / lay.tp
+    intra = lay.cp * lay.tp <= job.gpus_per_node
+    bw, alpha = (links.intra_gbps, links.alpha_intra_s) if intra else (links.inter_gbps, links.alpha_inter_s)
+    collectives = 3 if lay.activation_checkpointing == "full" else 2
+    layers = max(len(r) for r in stage_layers(job.model.n_layers, lay.pp))
+    return layers * collectives * ring_time(kv_bytes, lay.cp, 1.0, bw, alpha)

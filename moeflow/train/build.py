@@ -62,7 +62,7 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
     par = parallelize(model, dims, microbatches=batch.microbatches,
                       activation_checkpointing=t.activation_checkpointing, ep_backend=cfg.parallel.ep_backend,
                       autocast_dtype=torch.bfloat16 if bf16 else None, loss_fn=tp_loss, compile=t.compile,
-                      pp_microbatch_shape=(batch.micro_batch, cfg.data.seq_len,
+                      pp_microbatch_shape=(batch.micro_batch, cfg.data.seq_len // dims.cp,
                                            torch.bfloat16 if bf16 else torch.float32),
                       device_type="cpu" if device.type == "meta" else device.type)
     bytes_read = None
