@@ -11,7 +11,11 @@ group in one collective (its backward reduce-scatters their gradients), put back
 local query chunk j attends to the keys [0, (j + 1)C) with a lower-right causal mask. Autograd does the rest, so
 GQA and multi-head latent attention (value width unlike the key width) need nothing special. Each rank holds,
 and saves for backward, the whole sequence's keys and values of a layer; docs/design.md ("context
-parallelism") says why this variant and what the ring variant would save.
+parallelism") says why this variant and what the ring variant would save. Where torch has no kernel for
+lower-right causality (always on CPU; on CUDA when neither the flash nor the memory-efficient kernel takes the
+shapes) it materialises the mask and saves it for backward: C x (j + 1)C numbers per chunk, quadratic in the
+sequence. There the chunk's attention is recomputed in backward instead (`torch.utils.checkpoint`), which keeps
+the saved activations linear in S / cp (bench/context_parallel.py measures them).
 
 What `apply_context_parallel` changes, by swapping classes (names, parameters and attributes stay):
 - every attention module (a moeflow.models.layers.AttentionCore) computes its core as above over the cp group;
@@ -34,7 +38,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
+from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
 from moeflow.models.layers import AttentionCore
@@ -117,10 +123,26 @@ def context_parallel_attention(q_BHLDk: torch.Tensor, k_BHkLDk: torch.Tensor, v_
     out = []
     for j, q_BHCDk in zip(chunk_ids(rank, cp), q_BHLDk.split(C, dim=2)):
         keys = (j + 1) * C  # chunk j sees chunks 0 .. j: the last C keys diagonally, the rest fully
-        out.append(F.scaled_dot_product_attention(
-            q_BHCDk, k_BHkSDk[:, :, :keys], v_BHkSDv[:, :, :keys], attn_mask=causal_lower_right(C, keys),
-            scale=scale, enable_gqa=gqa))
+        args = (q_BHCDk, k_BHkSDk[:, :, :keys], v_BHkSDv[:, :, :keys], scale, gqa)
+        if j == 0 or _lower_right_kernel(*args[:3], gqa):  # (chunk 0 is square: plain is_causal, no mask)
+            out.append(_chunk_attention(*args))
+        else:
+            out.append(torch.utils.checkpoint.checkpoint(_chunk_attention, *args, use_reentrant=False))
     return torch.cat(out, dim=2)
+
+
+def _chunk_attention(q_BHCDk, k_BHkKDk, v_BHkKDv, scale, gqa) -> torch.Tensor:
+    """A query chunk against the keys up to and including its own chunk (lower-right causal)."""
+    C, keys = q_BHCDk.shape[2], k_BHkKDk.shape[2]
+    return F.scaled_dot_product_attention(q_BHCDk, k_BHkKDk, v_BHkKDv, attn_mask=causal_lower_right(C, keys),
+                                          scale=scale, enable_gqa=gqa)
+
+
+def _lower_right_kernel(q, k, v, gqa: bool) -> bool:
+    """Whether torch computes a lower-right causal mask inside a kernel (CausalBias's dispatch, torch 2.13:
+    CUDA flash or memory-efficient attention) rather than materialising it."""
+    params = SDPAParams(q, k, v, None, 0.0, False, gqa)
+    return can_use_flash_attention(params) or can_use_efficient_attention(params)
 
 
 # ---- applying it ------------------------------------------------------------------------------------------
