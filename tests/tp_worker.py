@@ -419,6 +419,9 @@ def case_bad_inputs():
     _expect(lambda: ParallelDims(8, tp=8).check_model(moeflow_model("dense").cfg),
             "parallel.tp (8) must divide model.n_heads (4)")
     _expect(lambda: check_hf_tp(hf_model("llama"), 3), "num_attention_heads (4) in the Hugging Face config")
+    # context parallelism needs moeflow's attention core; refused before any group or swap
+    _expect(lambda: moeflow.parallelize(hf_model("llama"), cp=2), "parallel.cp = 2 for a LlamaForCausalLM",
+            "moeflow.models.hf.from_pretrained")
     # a Linear no pattern covers
     model = moeflow_model("dense")
     model.layers["1"].attention.gate = nn.Linear(32, 4)

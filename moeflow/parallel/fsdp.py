@@ -1,4 +1,5 @@
-"""FSDP2 over the data-parallel ranks: experts over what EP leaves of them, then every block, then each stage root.
+"""FSDP2 over the data- and context-parallel ranks: experts over what EP leaves of them, then every block, then each
+stage root.
 
 ZeRO-3 reshards parameters after forward; ZeRO-2 keeps them gathered until backward (`reshard_after_forward`).
 """
