@@ -136,6 +136,10 @@ class ParallelConfig:
     """Restart every rank up to this many times after a rank fails (torch.distributed.run's --max-restarts; moeflow
     train then starts its ranks through it, also a single one); each restart resumes from the newest complete
     checkpoint. --max-restarts N overrides it."""
+    cp: int = 1
+    """Context-parallel size: each sequence is split over cp ranks (rank r keeps chunks r and 2cp-1-r of 2cp,
+    which balances causal attention) and attention all-gathers keys and values over them, for sequences longer
+    than one rank's memory allows. data.seq_len must be divisible by 2 x cp; parallel.ep may borrow cp ranks."""
 
 
 @dataclass
@@ -238,8 +242,9 @@ class JobConfig:
         job's layout is validated; the launcher calls it before starting ranks, each rank once at start)."""
         p, t = self.parallel, self.training
         dims = ParallelDims(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
-                            zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp)
+                            zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp, cp=p.cp)
         dims.check_model(self.model)
+        dims.check_sequence(self.data.seq_len)
         if p.ep_backend in ("deep_ep", "uccl") and dims.ep > 1 and dims.ep not in DEEP_EP_SIZES:
             # The library's own config table decides at start-up (UCCL-EP lacks 48 and 96); this is the part
             # both share, checked before any rank starts: DeepEP V1's get_dispatch_config keys.

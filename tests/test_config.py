@@ -48,7 +48,7 @@ def test_booleans_and_optional_values():
          r"model.moe.topk_group \(4\) must be between 1 and model.moe.n_group \(2\)"),
         (["--model.name=tiny-mo"], r"model.name = 'tiny-mo' is not a preset\. Did you mean 'tiny-moe'\?"),
         (["--training.dtype=fp16"], r"training.dtype = 'fp16' is not one of \['fp32', 'bf16'\]"),
-        (["--data.seq_len=1000"], r"data.seq_len \(1000\) exceeds model.max_seq_len \(256\)"),
+        (["--data.seq_len=5000"], r"data.seq_len \(5000\) exceeds model.max_seq_len \(4096\)"),
         (["--training.activation_checkpointing=some"], r"training.activation_checkpointing = 'some'"),
         (["training.steps=3"], r"settings look like --section.key=value"),
         (["--verbose"], r"--verbose needs a value"),

@@ -14,8 +14,8 @@ from moeflow.train.dry_run import rank_state
 from tests.conftest import run_cli
 
 WORLD = 64
-# (overrides, planner layout fields): pure data parallelism at every ZeRO stage, HSDP, and expert
-# parallelism of several sizes.
+# (overrides, planner layout fields): pure data parallelism at every ZeRO stage, HSDP, expert
+# parallelism of several sizes, and context parallelism (ep borrowing cp ranks too).
 LAYOUTS = [
     ({"parallel.zero": 3}, dict(dp_replicate=1, dp_shard=64, tp=1, pp=1, ep=1, zero=3)),
     ({"parallel.zero": 2}, dict(dp_replicate=1, dp_shard=64, tp=1, pp=1, ep=1, zero=2)),
@@ -23,6 +23,8 @@ LAYOUTS = [
     ({"parallel.dp_replicate": 2}, dict(dp_replicate=2, dp_shard=32, tp=1, pp=1, ep=1, zero=3)),
     ({"parallel.ep": 8}, dict(dp_replicate=1, dp_shard=64, tp=1, pp=1, ep=8, zero=3)),
     ({"parallel.ep": 64}, dict(dp_replicate=1, dp_shard=64, tp=1, pp=1, ep=64, zero=3)),
+    ({"parallel.cp": 4}, dict(dp_replicate=1, dp_shard=16, tp=1, pp=1, ep=1, zero=3, cp=4)),
+    ({"parallel.cp": 2, "parallel.ep": 64}, dict(dp_replicate=1, dp_shard=32, tp=1, pp=1, ep=64, zero=3, cp=2)),
 ]
 
 
@@ -54,7 +56,7 @@ def test_dry_run_cli_at_1024_ranks():
 
     result = json.loads(out.stdout)
     rank0 = result["ranks"][0]
-    assert rank0["dims"] == {"dp_replicate": 1, "dp_shard": 1024, "tp": 1, "pp": 1, "ep": 64}
+    assert rank0["dims"] == {"dp_replicate": 1, "dp_shard": 1024, "tp": 1, "pp": 1, "ep": 64, "cp": 1}
     assert rank0["params"] == pytest.approx(result["total_params"] / 1024, rel=0.01)
     assert rank0["bytes"]["optimizer"] == 2 * rank0["bytes"]["params"]
 

@@ -45,6 +45,8 @@ LAYOUTS = {
         "pp2-1f1b": ["--parallel.pp=2", "--parallel.pp_schedule=1F1B"],
         "pp2-interleaved": ["--parallel.pp=2", "--parallel.pp_schedule=Interleaved1F1B"],
         "pp2-zbv": ["--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble"],
+        "cp2": ["--parallel.cp=2"],
+        "cp2-ep2": ["--parallel.cp=2", "--parallel.ep=2"],  # EP borrows the two cp ranks
     },
     4: {
         "hsdp2x2": ["--parallel.dp_replicate=2"],
@@ -55,6 +57,10 @@ LAYOUTS = {
         "ep2-tp2": ["--parallel.ep=2", "--parallel.tp=2"],
         "ep2-pp2": ["--parallel.ep=2", "--parallel.pp=2"],
         "hsdp2x2-ep2": ["--parallel.dp_replicate=2", "--parallel.ep=2"],
+        "cp2-tp2": ["--parallel.cp=2", "--parallel.tp=2"],
+        "cp2-ep2-dp2": ["--parallel.cp=2", "--parallel.ep=2"],
+        "cp2-pp2": ["--parallel.cp=2", "--parallel.pp=2"],
+        "zero1-cp2-ep2": ["--parallel.zero=1", "--parallel.cp=2", "--parallel.ep=2"],
     },
     8: {
         "tp2-pp2-dp2": ["--parallel.tp=2", "--parallel.pp=2"],
@@ -68,13 +74,16 @@ LAYOUTS = {
 BF16 = {"ep2-bf16": ["--parallel.ep=2"], "tp2-bf16": ["--parallel.tp=2"], "pp2-bf16": ["--parallel.pp=2"]}
 BF16_LOSS_REL, BF16_GRAD_NORM_REL = 1e-3, 2e-2
 # The planner's ZeRO memory model (moeflow.plan.memory) against the bytes training measured, per layout:
-# (dp_replicate, dp_shard, tp, pp, ep, zero).
+# (dp_replicate, dp_shard, tp, pp, ep, zero[, cp]).
 PLANNED = {
     "dp2-zero1": (1, 2, 1, 1, 1, 1), "zero1-ep2": (1, 2, 1, 1, 2, 1), "zero1-pp2": (1, 1, 1, 2, 1, 1),
     "dp2-zero3": (1, 2, 1, 1, 1, 3), "ep2": (1, 2, 1, 1, 2, 3), "tp2": (1, 1, 2, 1, 1, 3),
     "tp2-dp2": (1, 2, 2, 1, 1, 3), "ep2-tp2": (1, 2, 2, 1, 2, 3), "zero1-tp2": (1, 1, 2, 1, 1, 1),
     "pp2-1f1b": (1, 1, 1, 2, 1, 3), "hsdp2x2": (2, 2, 1, 1, 1, 3), "ep4": (1, 4, 1, 1, 4, 3),
     "ep2-dp4": (1, 4, 1, 1, 2, 3), "pp2-dp2": (1, 2, 1, 2, 1, 3), "hsdp2x2-ep2": (2, 2, 1, 1, 2, 3),
+    "cp2": (1, 1, 1, 1, 1, 3, 2), "cp2-ep2": (1, 1, 1, 1, 2, 3, 2), "cp2-ep2-dp2": (1, 2, 1, 1, 2, 3, 2),
+    "cp2-pp2": (1, 1, 1, 2, 1, 3, 2), "cp2-tp2": (1, 1, 2, 1, 1, 3, 2),
+    "zero1-cp2-ep2": (1, 2, 1, 1, 2, 1, 2),
 }
 # Resharded resume: steps 1-2 under dp=4 with ZeRO-1, 3-4 under tp=2 x dp=2 (ZeRO-3), 5-6 under ep=2 x pp=2 with
 # ZeRO-1 again.
@@ -91,7 +100,7 @@ def _planned_elements(cfg, sizes) -> dict[str, float]:
 
     job = Job(cfg.model, get_gpu("H100-80GB"), nodes=1, gpus_per_node=8, seq_len=cfg.data.seq_len,
               global_batch_tokens=cfg.data.seq_len * cfg.training.global_batch)
-    lay = Layout(*sizes, micro_batch=1, activation_checkpointing="none")
+    lay = Layout(*sizes[:6], micro_batch=1, activation_checkpointing="none", cp=sizes[6] if len(sizes) > 6 else 1)
     stages = stage_layers(cfg.model.n_layers, lay.pp)
     per_stage = [model_state_bytes(*stage_params(job, layers, i == 0, i == lay.pp - 1), lay,
                                    stage_tp_whole(job, layers, i == lay.pp - 1))
@@ -167,10 +176,10 @@ def test_layouts_match_one_process(world, reference, tmp_path):
             held = json.loads((tmp_path / name / "summary.json").read_text())["state_bytes_per_rank"]
             sizes = PLANNED[name]
             planned = _planned_elements(_cfg(tmp_path / name), sizes)
-            if sizes[-1] < 3:
+            if sizes[5] < 3:
                 # Measured at rest, after the step: ZeRO-1 and -2 have resharded the weights by then (they hold
                 # them whole during forward and backward, which the planner counts): at rest, ZeRO-3's shard.
-                planned["params"] = _planned_elements(_cfg(tmp_path / name), (*sizes[:-1], 3))["params"]
+                planned["params"] = _planned_elements(_cfg(tmp_path / name), (*sizes[:5], 3, *sizes[6:]))["params"]
             measured = {"params": held["params"] / 4, "grads": held["grads"] / 4, "optimizer": held["optimizer"] / 8}
             for part, want in planned.items():
                 assert measured[part] == pytest.approx(want, rel=0.05), (name, part, measured, planned)

@@ -12,6 +12,20 @@ def test_dp_shard_minus_one_takes_the_rest():
     assert ParallelDims(world_size=8, ep=4).efsdp == 2
 
 
+def test_context_parallel_sizes():
+    # world = dp_replicate x dp_shard x cp x tp x pp; cp ranks share the data but hold weight replicas
+    dims = ParallelDims(world_size=16, dp_replicate=2, tp=2, cp=2)
+    assert (dims.dp_shard, dims.dp, dims.efsdp) == (2, 4, 4)  # without EP experts shard over dp_shard x cp
+    assert dims.describe() == "dp_replicate=2 x dp_shard=2 x tp=2 x cp=2"
+    # ep borrows from dp_shard x cp: as many ranks as cp, more than dp_shard, or fewer than cp
+    assert ParallelDims(world_size=2, cp=2, ep=2).efsdp == 1
+    assert ParallelDims(world_size=8, cp=2, ep=8).efsdp == 1
+    assert ParallelDims(world_size=8, cp=4, ep=2).efsdp == 4
+    assert ParallelDims(world_size=6, cp=2, ep=3).efsdp == 2  # neither a multiple nor a divisor of cp
+    ParallelDims(world_size=4, cp=2).check_sequence(12)  # 4 chunks of 3 tokens
+    ParallelDims(world_size=4, cp=2, tp=2).check_sequence(8)  # 4 tokens per cp rank, 2 per tp rank
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -20,6 +34,14 @@ def test_dp_shard_minus_one_takes_the_rest():
         (dict(world_size=8, dp_shard=2, tp=4, ep=4), r"parallel.ep \(4\) must divide the data-parallel shard size"
                                                      r" \(dp_shard = 2\).*choose ep in \[1, 2\]"),
         (dict(world_size=4, ep=0), r"parallel.ep must be at least 1, got 0"),
+        (dict(world_size=4, cp=0), r"parallel.cp must be at least 1, got 0"),
+        (dict(world_size=6, cp=4), r"parallel.dp_replicate x tp x pp x cp = 1 x 1 x 1 x 4 = 4 does not divide the "
+                                   r"world size \(6\)"),
+        (dict(world_size=8, dp_shard=2, cp=2), r"dp_replicate x dp_shard x tp x pp x cp = 1 x 2 x 1 x 1 x 2 = 4 must "
+                                               r"equal the world size \(8\)"),
+        (dict(world_size=4, cp=2, ep=8), r"parallel.ep \(8\) must divide the data-parallel shard size times the "
+                                         r"context-parallel size \(dp_shard x cp = 2 x 2 = 4\).*choose ep in "
+                                         r"\[1, 2, 4\]"),
     ],
 )
 def test_bad_sizes(kwargs, message):
@@ -38,3 +60,17 @@ def test_bad_sizes_for_the_model():
         ParallelDims(world_size=8, pp=8).check_model(moe)
     with pytest.raises(ValueError, match="needs an MoE model"):
         ParallelDims(world_size=2, ep=2).check_model(get_preset("tiny-dense"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, seq_len, message",
+    [
+        (dict(world_size=4, cp=4), 20, r"data.seq_len \(20\) must be divisible by 2 x parallel.cp \(= 8\).*"
+                                       r"use data.seq_len = 16"),
+        (dict(world_size=8, cp=2, tp=4), 12, r"data.seq_len / parallel.cp \(12 / 2 = 6 tokens per rank\) must be "
+                                             r"divisible by parallel.tp \(4\).*divisible by 8"),
+    ],
+)
+def test_bad_sequence_for_context_parallel(kwargs, seq_len, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**kwargs).check_sequence(seq_len)

@@ -8,7 +8,8 @@ from tests.conftest import run_cli
 BAD = [
     # (overrides, nproc, words the message must contain)
     (["--parallel.tp=2", "--parallel.pp=2"], 2, ["= 4 does not divide the world size (2)"]),
-    (["--parallel.tp=3"], 3, ["parallel.tp (3) must divide"]),
+    (["--parallel.tp=3", "--parallel.ep_over_tp=false"], 3, ["parallel.tp (3) must divide"]),
+    (["--parallel.tp=3"], 3, ["parallel.ep x tp = 1 x 3 = 3", "--parallel.ep_over_tp=false"]),
     (["--parallel.ep=3"], 3, ["parallel.ep (3) must divide model.moe.num_experts (8)"]),
     (["--parallel.ep=4"], 2, ["parallel.ep (4) must divide the data-parallel shard size"]),
     (["--parallel.pp=2", "--model.n_layers=1"], 2, ["parallel.pp (2) is larger than model.n_layers (1)"]),
@@ -16,6 +17,8 @@ BAD = [
     (["--parallel.pp=2", "--parallel.pp_microbatches=3"], 2, ["micro-batches (3) must divide"]),
     (["--parallel.zero=4"], 2, ["parallel.zero = 4", "use 1"]),
     (["--parallel.tp=2", "--model.name=deepseek-v3"], 2, ["not supported with parallel.tp > 1"]),
+    (["--parallel.cp=2", "--data.seq_len=18"], 2, ["data.seq_len (18) must be divisible by 2 x parallel.cp (= 4)"]),
+    (["--parallel.cp=2", "--parallel.ep=4"], 2, ["parallel.ep (4) must divide", "(dp_shard x cp = 1 x 2 = 2)"]),
 ]
 
 

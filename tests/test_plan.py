@@ -129,6 +129,34 @@ def test_tensor_parallelism_splits_flops_not_matmul_rows():
 
 
 
+def test_context_parallel_memory_and_time_hand_worked():
+    # HAND: 2 layers, 2 heads of width 4 (no GQA): keys and values 2 x 2 x 4 = 16 elements per token per layer.
+    # cp=4 on 4 GPUs against dp_shard=4: the same 4 ranks shard the weights; a rank holds 16 of each 64-token
+    # sequence, so a quarter of the activations, plus 3/4 of each layer's bf16 keys and values, gathered.
+    job = job_for(HAND, gpn=4, seq=64, batch=64 * 4)
+    dp4 = memory_per_gpu(job, lay(dp_shard=4, zero=3, ac="none"))
+    cp4 = memory_per_gpu(job, Layout(1, 1, 1, 1, 1, 3, 1, "none", cp=4))
+    for part in ("params", "grads", "optimizer"):
+        assert cp4[part] == pytest.approx(dp4[part]), part
+    gathered_kv = 2 * (2 * 64 * 16 * 3 / 4)  # 2 layers x bf16 x 64 tokens x 16 elements x 3/4 from the others
+    assert cp4["activations"] * 1e9 == pytest.approx(dp4["activations"] * 1e9 / 4 + gathered_kv)
+    # time: per layer an all-gather and a reduce-scatter of the 64 x 16 x 2 bytes over 4 ranks, for each of the
+    # 4 micro-batches (one sequence each), inside the node
+    t = step_time(job, Layout(1, 1, 1, 1, 1, 3, 1, "none", cp=4))
+    alpha, beta = 5e-6, get_gpu("H100-80GB").intra_gbps * 1e9
+    assert t["cp_s"] == pytest.approx(4 * 2 * 2 * (3 * alpha + 3 / 4 * 64 * 16 * 2 / beta))
+    assert step_time(job, lay(dp_shard=4, zero=3, ac="none"))["cp_s"] == 0.0
+
+
+def test_context_parallel_is_planned_when_pinned_and_by_the_trainer_rules():
+    job = job_for(HAND, gpn=8, seq=64, batch=64 * 8)
+    results = search(job, Constraints(cp=2))
+    assert results and all(r.layout.cp == 2 and r.layout.world == 8 for r in results)
+    assert all(r.layout.cp == 1 for r in search(job))  # not searched unless pinned
+    with pytest.raises(ValueError, match=r"data.seq_len \(64\) must be divisible by 2 x parallel.cp \(= 6\)"):
+        Constraints(cp=3).check(job_for(HAND, gpn=6, seq=64, batch=64 * 6))
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_presets_match_published_counts(name):
     total, active = PUBLISHED[name]

@@ -104,6 +104,25 @@ def test_sequence_longer_than_max_seq_len_is_rejected():
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
+@pytest.mark.parametrize("case", ["tiny-moe", "mla-group-sigmoid"])
+def test_positions_drive_rope(case):
+    """positions=: 0..S-1 is the default; RoPE sees only relative positions, so a shift per row changes nothing;
+    a stretch changes the logits; [B, S] positions act row by row (what context parallelism and packing pass)."""
+    model = _seed_model(Transformer(MODEL_CASES[case]()))
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = model(tokens)
+        torch.testing.assert_close(model(tokens, positions=torch.arange(6)), plain, atol=0, rtol=0)
+        shifted = torch.stack([torch.arange(6), torch.arange(6) + 3])
+        torch.testing.assert_close(model(tokens, positions=shifted), plain, atol=1e-5, rtol=1e-5)
+        stretched = torch.stack([torch.arange(6) * 2, torch.tensor([0, 1, 2, 7, 8, 9])])
+        rows = model(tokens, positions=stretched)
+        assert (rows - plain).abs().max() > 1e-4  # (3e-4 for the MLA model: RoPE is 4 of its 12 widths)
+        for b in range(2):
+            torch.testing.assert_close(rows[b:b + 1], model(tokens[b:b + 1], positions=stretched[b]),
+                                       atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------ attention vs a naive reference
 
 

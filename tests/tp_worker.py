@@ -419,6 +419,9 @@ def case_bad_inputs():
     _expect(lambda: ParallelDims(8, tp=8).check_model(moeflow_model("dense").cfg),
             "parallel.tp (8) must divide model.n_heads (4)")
     _expect(lambda: check_hf_tp(hf_model("llama"), 3), "num_attention_heads (4) in the Hugging Face config")
+    # context parallelism needs moeflow's attention core; refused before any group or swap
+    _expect(lambda: moeflow.parallelize(hf_model("llama"), cp=2), "parallel.cp = 2 for a LlamaForCausalLM",
+            "moeflow.models.hf.from_pretrained")
     # a Linear no pattern covers
     model = moeflow_model("dense")
     model.layers["1"].attention.gate = nn.Linear(32, 4)
@@ -485,7 +488,7 @@ def case_parallelize_adds_no_attributes():
     layouts = [dict(), dict(activation_checkpointing="full")]
     if world == 2:
         layouts += [dict(ep=2), dict(tp=2), dict(pp=2, pp_schedule="GPipe", microbatches=2), dict(zero=1),
-                    dict(ep=2, activation_checkpointing="full")]
+                    dict(ep=2, activation_checkpointing="full"), dict(cp=2), dict(cp=2, ep=2)]
     for layout in layouts:
         model = moeflow_model("moe", tie_embeddings=False)
         before = {name: set(vars(m)) for name, m in model.named_modules()}

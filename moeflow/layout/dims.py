@@ -1,22 +1,26 @@
 """ParallelDims: the sizes of one run's parallel layout and every rule they must satisfy (no torch import).
 
-Sizes: dp_replicate x dp_shard x tp x pp = world size (dp_shard = -1 takes the rest). Expert parallelism
-borrows its ep ranks from dp_shard, and each expert is FSDP-sharded over the remaining efsdp = dp_shard / ep
-ranks. With tensor parallelism the experts are also spread over the tp ranks (ep_over_tp, Megatron's "MoE
-parallel folding"): the expert-parallel group is then ep x tp ranks and each rank routes its sequence slice.
-Every rule raises ValueError naming the setting, the value and a fix (docs/design.md, principle 3).
+Sizes: dp_replicate x dp_shard x cp x tp x pp = world size (dp_shard = -1 takes the rest). Context
+parallelism splits each sequence over its cp ranks, which see the same sequences (the data-parallel size is
+dp_replicate x dp_shard) and hold the same weights (FSDP shards them over dp_shard x cp). Expert parallelism
+borrows its ep ranks from dp_shard x cp, and each expert is FSDP-sharded over the remaining
+efsdp = dp_shard x cp / ep ranks. With tensor parallelism the experts are also spread over the tp ranks
+(ep_over_tp, Megatron's "MoE parallel folding"): the expert-parallel group is then ep x tp ranks and each rank
+routes its sequence slice. Every rule raises ValueError naming the setting, the value and a fix
+(docs/design.md, principle 3).
 The mesh itself is built from these sizes by moeflow.parallel.mesh.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moeflow.errors import divisors
 from moeflow.layout.schedules import default_stages_per_rank, resolve_schedule, validate_microbatches
 from moeflow.models.config import ModelConfig
 
-SIZE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "ep")
+SIZE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "cp")
 MLA_TP_UNSUPPORTED = ("multi-head latent attention (model.attention = 'mla', DeepSeek-V2/V3) is not supported with "
                       "parallel.tp > 1 yet; use parallel.tp=1 with data and expert parallelism")
 
@@ -41,31 +45,37 @@ class ParallelDims:
     zero: int = 3
     pp_schedule: str = "1F1B"
     ep_over_tp: bool = True
+    cp: int = 1  # context parallel: ranks one sequence is split over
 
     def __post_init__(self):
-        for key in ("dp_replicate", "tp", "pp", "ep"):
+        for key in ("dp_replicate", "tp", "pp", "ep", "cp"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key} must be at least 1, got {getattr(self, key)}")
         if self.world_size < 1:
             raise ValueError(f"the world size must be at least 1, got {self.world_size}")
-        fixed = self.dp_replicate * self.tp * self.pp
+        fixed = self.dp_replicate * self.tp * self.pp * self.cp
+        cp_names, cp_sizes = (" x cp", f" x {self.cp}") if self.cp > 1 else ("", "")
         if self.dp_shard == -1:
             if self.world_size % fixed:
                 raise ValueError(
-                    f"parallel.dp_replicate x tp x pp = {self.dp_replicate} x {self.tp} x {self.pp} = {fixed} "
-                    f"does not divide the world size ({self.world_size}); choose sizes whose product divides it"
+                    f"parallel.dp_replicate x tp x pp{cp_names} = {self.dp_replicate} x {self.tp} x {self.pp}"
+                    f"{cp_sizes} = {fixed} does not divide the world size ({self.world_size}); choose sizes whose "
+                    f"product divides it"
                 )
             self.dp_shard = self.world_size // fixed
         if self.dp_shard < 1 or fixed * self.dp_shard != self.world_size:
             raise ValueError(
-                f"parallel sizes dp_replicate x dp_shard x tp x pp = {self.dp_replicate} x {self.dp_shard} x "
-                f"{self.tp} x {self.pp} = {fixed * self.dp_shard} must equal the world size ({self.world_size}); "
-                f"set --parallel.dp_shard=-1 to use the rest"
+                f"parallel sizes dp_replicate x dp_shard x tp x pp{cp_names} = {self.dp_replicate} x "
+                f"{self.dp_shard} x {self.tp} x {self.pp}{cp_sizes} = {fixed * self.dp_shard} must equal the world "
+                f"size ({self.world_size}); set --parallel.dp_shard=-1 to use the rest"
             )
-        if self.dp_shard % self.ep:
+        if (self.dp_shard * self.cp) % self.ep:
+            borrowed = (f"(dp_shard = {self.dp_shard})" if self.cp == 1 else
+                        f"times the context-parallel size (dp_shard x cp = {self.dp_shard} x {self.cp} = "
+                        f"{self.dp_shard * self.cp})")
             raise ValueError(
-                f"parallel.ep ({self.ep}) must divide the data-parallel shard size (dp_shard = {self.dp_shard}), "
-                f"whose ranks it borrows; choose ep in {divisors(self.dp_shard)}"
+                f"parallel.ep ({self.ep}) must divide the data-parallel shard size {borrowed}, whose ranks it "
+                f"borrows; choose ep in {divisors(self.dp_shard * self.cp)}"
             )
         if self.zero not in (1, 2, 3):
             raise ValueError(f"parallel.zero = {self.zero}; use 1 (parameters gathered once per step, gradients and "
@@ -81,8 +91,8 @@ class ParallelDims:
 
     @property
     def efsdp(self) -> int:
-        """Ranks each expert is FSDP-sharded over."""
-        return self.dp_shard // self.ep
+        """Ranks each expert is FSDP-sharded over (the rest of dp_shard x cp after ep)."""
+        return self.dp_shard * self.cp // self.ep
 
     @property
     def fold_experts(self) -> bool:
@@ -150,6 +160,21 @@ class ParallelDims:
             if value % self.tp:
                 raise ValueError(f"parallel.tp ({self.tp}) must divide {name} ({value}); "
                                  f"choose tp in {divisors(value)}")
+
+    def check_sequence(self, seq_len: int) -> None:
+        """Context parallelism cuts each sequence into 2 x cp equal chunks (rank r keeps chunks r and
+        2cp - 1 - r: causal load balance); sequence parallelism then splits a rank's S / cp tokens over tp."""
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            raise ValueError(
+                f"data.seq_len ({seq_len}) must be divisible by 2 x parallel.cp (= {2 * self.cp}): each sequence is "
+                f"cut into 2 x cp equal chunks; use data.seq_len = {max(1, seq_len // (2 * self.cp)) * 2 * self.cp}"
+            )
+        if self.cp > 1 and self.tp > 1 and (seq_len // self.cp) % self.tp:
+            raise ValueError(
+                f"data.seq_len / parallel.cp ({seq_len} / {self.cp} = {seq_len // self.cp} tokens per rank) must be "
+                f"divisible by parallel.tp ({self.tp}) with sequence parallelism; use a data.seq_len divisible by "
+                f"{2 * self.cp * self.tp // math.gcd(2, self.tp)}"
+            )
 
     def split_batch(self, global_batch: int, micro_batch: int = 0, pp_microbatches: int = 0) -> BatchSplit:
         """Sequences per rank and per forward for `global_batch` sequences per step. micro_batch 0: the whole

@@ -1,6 +1,7 @@
-"""Building blocks shared by the attention variants: RMSNorm and rotary position embeddings (RoPE).
+"""Building blocks shared by the attention variants: RMSNorm, rotary position embeddings (RoPE) and the
+attention core.
 
-Shape suffixes: B batch, H heads, S sequence, Dh head width.
+Shape suffixes: B batch, H heads, Hk key/value heads, S sequence, Dh head width, Dv value width.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moeflow.models.config import RopeScaling
@@ -85,3 +87,14 @@ def apply_rope(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tens
     half = x_BHSDh.shape[-1] // 2
     rotated = torch.cat([-x_BHSDh[..., half:], x_BHSDh[..., :half]], dim=-1)
     return (x_BHSDh * cos_SDh + rotated * sin_SDh).to(x_BHSDh.dtype)
+
+
+class AttentionCore:
+    """Mixin of the attention modules: `core` turns queries, keys and values (after RoPE) into the attention
+    output, causally. It is the one place attention looks at other positions of the sequence, so a parallel
+    dimension that splits the sequence swaps it (moeflow.parallel.context subclasses the module's class)."""
+
+    def core(self, q_BHSDh: torch.Tensor, k_BHkSDh: torch.Tensor, v_BHkSDv: torch.Tensor,
+             scale: float | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q_BHSDh, k_BHkSDh, v_BHkSDv, is_causal=True, scale=scale,
+                                              enable_gqa=q_BHSDh.shape[1] != k_BHkSDh.shape[1])

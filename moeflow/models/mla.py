@@ -8,14 +8,13 @@ Dv value width.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeflow.models.config import ModelConfig
-from moeflow.models.layers import RMSNorm, apply_rope, yarn_mscale
+from moeflow.models.layers import AttentionCore, RMSNorm, apply_rope, yarn_mscale
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(AttentionCore, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -60,7 +59,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe_B1SDr = apply_rope(k_pe_B1SDr, cos_SDr, sin_SDr)
         q_full = torch.cat([q_nope, q_pe], dim=-1)
         k_full = torch.cat([k_nope, k_pe_B1SDr.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        o_BHSDv = F.scaled_dot_product_attention(q_full, k_full, v_BHSDv, is_causal=True, scale=self.softmax_scale)
+        o_BHSDv = self.core(q_full, k_full, v_BHSDv, scale=self.softmax_scale)
         return self.wo(o_BHSDv.transpose(1, 2).reshape(B, S, -1))
 
 

@@ -16,12 +16,12 @@ PRESETS: dict[str, ModelConfig] = {
     # ---- tiny, for CPU ---------------------------------------------------------------------
     "tiny-moe": ModelConfig(
         name="tiny-moe", vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256,
-        max_seq_len=256,
+        max_seq_len=4096,
         moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=128, num_shared_experts=1, first_k_dense=1),
     ),
     "tiny-dense": ModelConfig(
         name="tiny-dense", vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
-        max_seq_len=256,
+        max_seq_len=4096,
     ),
     # ---- real shapes -----------------------------------------------------------------------
     "deepseek-v3": ModelConfig(

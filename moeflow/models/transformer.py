@@ -10,16 +10,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeflow.models.config import ModelConfig
-from moeflow.models.layers import RMSNorm, apply_rope, rope_tables
+from moeflow.models.layers import AttentionCore, RMSNorm, apply_rope, rope_tables
 from moeflow.models.mla import MultiHeadLatentAttention
 from moeflow.models.moe import FeedForward, GroupedExperts, MoE, Router
 
 
-class Attention(nn.Module):
+class Attention(AttentionCore, nn.Module):
     """Grouped-query attention through scaled_dot_product_attention (causal)."""
 
     def __init__(self, cfg: ModelConfig):
@@ -49,9 +48,7 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":
             q_BHSDh, k_BHSDh = self.q_norm(q_BHSDh), self.k_norm(k_BHSDh)
         q_BHSDh, k_BHSDh = apply_rope(q_BHSDh, cos_SDh, sin_SDh), apply_rope(k_BHSDh, cos_SDh, sin_SDh)
-        o_BHSDh = F.scaled_dot_product_attention(
-            q_BHSDh, k_BHSDh, v_BHSDh, is_causal=True, enable_gqa=q_BHSDh.shape[1] != k_BHSDh.shape[1]
-        )
+        o_BHSDh = self.core(q_BHSDh, k_BHSDh, v_BHSDh)
         return self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -127,15 +124,27 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        S = h.shape[1]
+    def check_length(self, S: int) -> None:
+        """The sequence's whole length against the RoPE tables (model.max_seq_len)."""
         if S > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence length {S} exceeds model.max_seq_len ({self.cfg.max_seq_len}); "
                 f"raise model.max_seq_len or shorten data.seq_len"
             )
-        cos, sin = self.rope_cos[:S].to(h.dtype), self.rope_sin[:S].to(h.dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: the position in its sequence of each of the S tokens given ([S], or [B, S] per row), for
+        RoPE; default 0 .. S-1. A caller holding part of a sequence (context parallelism) passes its tokens'
+        positions and checks the whole length itself."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        S = h.shape[1]
+        if positions is None:
+            self.check_length(S)
+            cos, sin = self.rope_cos[:S].to(h.dtype), self.rope_sin[:S].to(h.dtype)
+        else:
+            cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
+            if positions.dim() == 2:  # [B, S, Dh] -> [B, 1, S, Dh]: broadcast over the heads
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for block in self.layers.values():
             h = block(h, cos, sin)
         if self.norm is not None:

@@ -1,4 +1,5 @@
-"""FSDP2 over the data-parallel ranks: experts over what EP leaves of them, then every block, then each stage root.
+"""FSDP2 over the data- and context-parallel ranks: experts over what EP leaves of them, then every block, then each
+stage root.
 
 ZeRO-3 reshards parameters after forward; ZeRO-2 keeps them gathered until backward (`reshard_after_forward`).
 """
@@ -21,7 +22,9 @@ def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: Para
     fsdp = {"reshard_after_forward": dims.zero == 3}
     if mixed_precision is not None:
         fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
-    dp_mesh = submesh(mesh, "dp_replicate", "dp_shard") if dims.dp_replicate > 1 else submesh(mesh, "dp_shard")
+    # the data-parallel ranks and the context-parallel ones: both hold replicas of the dense weights
+    dp_mesh = (submesh(mesh, "dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else
+               submesh(mesh, "dp_shard_cp"))
     expert_mesh = submesh(mesh, "dp_replicate", "efsdp") if dims.dp_replicate > 1 else submesh(mesh, "efsdp")
     for block in blocks.values():
         for moe in (m for m in block.modules() if isinstance(m, MoE)):
@@ -37,9 +40,9 @@ def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: Para
                 # experts once per chunk: one reduction after backward rather than one per call.
                 experts.__class__ = DeferredSyncExperts
             fully_shard(experts, mesh=expert_mesh, shard_placement_fn=balanced_shard(expert_mesh.size()), **fsdp)
-            # FSDP averages over the expert mesh (dp / ep ranks), but each expert's gradient sums the tokens of
-            # all dp ranks (they arrive through the EP group): divide by dp instead.
-            experts.set_gradient_divide_factor(float(dims.dp))
+            # FSDP averages over the expert mesh (dp x cp / ep ranks), but each expert's gradient sums the tokens
+            # of all dp x cp ranks (they arrive through the EP group): divide by dp x cp instead.
+            experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
             if dims.efsdp > 1:
                 # Sum, then divide locally (gloo has no PREMUL_SUM; on NCCL the same result in fp32), on every
                 # device so the tested path is the one GPUs run. Not when the reduce-scatter group has one rank:

@@ -1,5 +1,9 @@
-"""The DeviceMesh of a ParallelDims: dims (pp, dp_replicate, efsdp, ep, tp), plus flattened dp_shard and dp views
-(and ep_tp, the expert-parallel group, when the experts are folded over the tp ranks)."""
+"""The DeviceMesh of a ParallelDims: dims (pp, dp_replicate, efsdp, ep, tp), plus flattened dp_shard_cp and dp_cp
+views, the cp mesh, and ep_tp (the expert-parallel group) when the experts are folded over the tp ranks.
+
+efsdp x ep covers the dp_shard x cp ranks (both are row-major splits of the same block, cp innermost), so expert
+parallelism can borrow context-parallel ranks; without cp, dp_shard_cp is dp_shard and dp_cp is dp.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     mesh = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.efsdp, dims.ep, dims.tp),
                             mesh_dim_names=MESH_DIMS)
-    mesh["efsdp", "ep"]._flatten("dp_shard")
-    mesh["dp_replicate", "efsdp", "ep"]._flatten("dp")
+    mesh["efsdp", "ep"]._flatten("dp_shard_cp")  # FSDP shards the dense weights over these
+    mesh["dp_replicate", "efsdp", "ep"]._flatten("dp_cp")
     if dims.fold_experts:
         mesh["ep", "tp"]._flatten("ep_tp")
     return mesh
@@ -25,6 +29,12 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
 def expert_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """The ranks the experts are spread over: ep, or ep x tp when folded."""
     return submesh(mesh, "ep_tp" if dims.fold_experts else "ep")
+
+
+def cp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The 1-D mesh of this rank's context-parallel group: dp_shard_cp split into (dp_shard, cp), cp innermost,
+    so the ranks of one sequence are neighbours (inside a node on a cluster)."""
+    return submesh(mesh, "dp_shard_cp")._unflatten(0, (dims.dp_shard, dims.cp), ("dp_shard", "cp"))["cp"]
 
 
 def submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:

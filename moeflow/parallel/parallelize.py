@@ -3,7 +3,8 @@
 Order (each step sees the modules the previous one left): build the mesh (pp, dp_replicate, efsdp, ep, tp)
 -> pipeline split (this rank keeps its stages' layers; parameter names stay those of the full model) ->
 expert parallelism (each MoE keeps E/ep experts and swaps its dispatcher for a token mover) -> tensor +
-sequence parallelism by a plan that is data (moeflow.parallel.tensor) -> activation checkpointing ->
+sequence parallelism by a plan that is data (moeflow.parallel.tensor) -> context parallelism (class swaps of
+the stage roots and attention modules, moeflow.parallel.context) -> activation checkpointing ->
 torch.compile per block -> FSDP2: experts over what remains of the data-parallel ranks, then every block,
 then each stage root -> the step runner (a pipeline schedule, or plain micro-batches). At world size 1
 nothing is wrapped. The same order as TorchTitan's parallelize functions, for the same reasons: TP must see
@@ -40,6 +41,7 @@ def parallelize(
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
+    cp: int = 1,
     zero: int = 3,
     pp_schedule: str = "1F1B",
     microbatches: int = 1,
@@ -60,22 +62,24 @@ def parallelize(
     """Parallelize `model` (a moeflow Transformer, or a Hugging Face decoder) in place over the default process
     group; returns its ParallelState.
 
-    Sizes: pass `dims` (a validated moeflow.layout.ParallelDims), or the keywords dp_replicate x dp_shard x tp x
-    pp = world size (dp_shard=-1: the rest), ep (borrowed from dp_shard), zero (all FSDP2, sharding gradients and
-    AdamW state with fp32 master weights: 1 gathers the parameters once per step and keeps them through its
-    micro-batches, 2 from each forward to its backward, 3 per layer) and pp_schedule (GPipe, 1F1B,
-    Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV).
+    Sizes: pass `dims` (a validated moeflow.layout.ParallelDims), or the keywords dp_replicate x dp_shard x cp x tp
+    x pp = world size (dp_shard=-1: the rest), ep (borrowed from dp_shard x cp; with tp > 1 the experts are also
+    spread over the tp ranks unless ep_over_tp=False), zero (all FSDP2, sharding gradients and AdamW state with fp32
+    master weights: 1 gathers the parameters once per step and keeps them through its micro-batches, 2 from each
+    forward to its backward, 3 per layer) and pp_schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+    InterleavedZeroBubble, ZBVZeroBubble, DualPipeV).
     microbatches: forwards per step (pipeline micro-batches, or gradient accumulation). ep_overlap, ep_chunks,
     ep_num_worst_tokens: how the MoE layers move tokens (moeflow.parallel.expert.ExpertParallelDispatcher).
     tp_plan: {module-name pattern: ParallelStyle}, default moeflow.parallel.tensor.tp_plan(model).
     pp_boundaries: the first layer of each stage (default: an even split). pp_microbatch_shape: (rows, seq,
     logits dtype) of one micro-batch, to skip torch's shape inference. loss_fn(logits, targets) -> mean loss
-    (default: moeflow.parallel.loss.tp_loss).
+    (default: moeflow.parallel.loss.tp_loss; with cp > 1 it is also called with reduction='sum'). With cp > 1 feed
+    each rank its part of every sequence, inputs and targets alike: `state.local_sequence(x_BS)`.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     if dims is None:
         dims = ParallelDims(world, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep, zero=zero,
-                            pp_schedule=pp_schedule)
+                            pp_schedule=pp_schedule, cp=cp)
         if hasattr(model, "cfg"):
             dims.check_model(model.cfg)
     elif dims.world_size != world:
@@ -114,6 +118,15 @@ def parallelize(
         state.tp_mesh = submesh(mesh, "tp")
         for stage in stages:
             apply_tensor_parallel(stage, state.tp_mesh, plan=tp_plan, fold_experts=dims.fold_experts)
+    if dims.cp > 1:
+        # After the pipeline split (it swaps the class of each stage root, so the stages must exist); before
+        # activation checkpointing, compile and FSDP, which wrap or trace the forwards and swap classes themselves
+        # (FSDP's class must be the outermost). It changes no parameter, so EP and TP do not care.
+        from moeflow.parallel.context import apply_context_parallel
+        from moeflow.parallel.mesh import cp_mesh
+
+        state.cp_mesh = cp_mesh(mesh, dims)
+        loss_fn = apply_context_parallel(stages, state.cp_mesh, loss_fn)
     apply_activation_checkpointing(blocks(model), activation_checkpointing)
     _compile_blocks(model, compile)
     apply_fsdp(blocks(model), stages, dims, mesh, mixed_precision)
@@ -155,6 +168,10 @@ def _check_model_object(model: nn.Module, dims: ParallelDims) -> None:
     if dims.ep > 1 and not any(isinstance(m, MoE) for m in model.modules()):
         raise ValueError(f"parallel.ep = {dims.ep} but {type(model).__name__} has no moeflow MoE layer; for a "
                          f"Hugging Face MoE model call moeflow.models.hf_live.replace_sparse_moe_blocks(model) first")
+    if dims.cp > 1:
+        raise ValueError(f"parallel.cp = {dims.cp} for a {type(model).__name__}: context parallelism swaps the core "
+                         f"of moeflow's attention modules and is supported for moeflow models only yet (load the "
+                         f"checkpoint with moeflow.models.hf.from_pretrained to get one); use cp = 1")
     if dims.tp > 1:
         from moeflow.parallel.tensor import check_hf_tp
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from moeflow.layout import ParallelDims
@@ -14,7 +15,7 @@ from moeflow.layout import ParallelDims
 class ParallelState:
     model: nn.Module
     dims: ParallelDims
-    mesh: Any = None  # DeviceMesh (pp, dp_replicate, efsdp, ep, tp) with dp_shard / dp views; None at world size 1
+    mesh: Any = None  # DeviceMesh (pp, dp_replicate, efsdp, ep, tp) with dp_shard_cp / dp_cp views; None at world 1
     runner: Any = None  # the step runner: moeflow.parallel.runner.LocalRunner or pipeline.PipelineRunner
     tp_mesh: Any = None  # the 1-D tensor-parallel mesh when tp > 1
     # MoE folded over tp: parameters whose gradients are partial sums over the tp ranks (router, shared experts)
@@ -22,6 +23,7 @@ class ParallelState:
     tp_partial: list = field(default_factory=list)
     tp_distinct: list = field(default_factory=list)
     tp_reduced: dict = field(default_factory=dict)  # id(param) -> (weakref, version) of its gradient once summed
+    cp_mesh: Any = None  # the 1-D context-parallel mesh when cp > 1
 
     @property
     def dp_rank(self) -> int:
@@ -30,4 +32,15 @@ class ParallelState:
             return 0
         from moeflow.parallel.mesh import submesh
 
-        return submesh(self.mesh, "dp").get_local_rank()
+        # dp_cp is (dp_replicate, dp_shard, cp) flattened with cp innermost (moeflow.parallel.mesh)
+        return submesh(self.mesh, "dp_cp").get_local_rank() // self.dims.cp
+
+    def local_sequence(self, x_BS: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a batch of whole sequences [B, S]: under context parallelism its two chunks
+        (moeflow.parallel.context.shard_sequence), else x_BS itself. Inputs and their next-token targets are
+        cut the same way, so the targets were shifted on the whole sequence."""
+        if self.cp_mesh is None:
+            return x_BS
+        from moeflow.parallel.context import shard_sequence
+
+        return shard_sequence(x_BS, self.cp_mesh.get_local_rank(), self.dims.cp)

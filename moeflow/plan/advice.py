@@ -55,6 +55,7 @@ def advise(job: Job, best: Result) -> Advice:
                                              if needs_model_split else "is pure sharded data parallel, so "
                                              "FSDP / DeepSpeed is the simpler choice"))
     layout = (f"dp_replicate={lay.dp_replicate} dp_shard={lay.dp_shard} tp={lay.tp} pp={lay.pp} ep={lay.ep} "
+              f"{f'cp={lay.cp} ' if lay.cp > 1 else ''}"
               f"ZeRO-{lay.zero}, micro-batch {lay.micro_batch}, activation checkpointing "
               f"{lay.activation_checkpointing}")
     text = (f"Use {FAMILIES[family]} (or moeflow with the same layout): {'; '.join(reasons)}. "

@@ -88,9 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp-schedule", help="pin the pipeline schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
                    "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) instead of searching 1F1B, Interleaved1F1B, "
                    "InterleavedZeroBubble, ZBVZeroBubble and DualPipeV")
+    p.add_argument("--cp", type=int, help="plan context parallelism of this size (default 1: not searched)")
     p.add_argument("--ep-overlap", action="store_true",
                    help="cost expert-parallel dispatch/combine as overlapped with another micro-batch's compute "
-                   "(hidden up to that compute; the trainer does not overlap them yet)")
+                   "(hidden up to that compute; the trainer's parallel.ep_overlap)")
     p.add_argument("--top", type=int, default=5, help="feasible layouts to show (default 5)")
     p.add_argument("--infeasible", type=int, default=3, help="close infeasible layouts to show (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON (key 'layouts') instead of a table")
@@ -130,21 +131,25 @@ def plan(job: Job, cons: Constraints | None = None, top: int = 5, infeasible: in
 def format_table(out: dict) -> str:
     j = out["job"]
     sw = max([8] + [len(r["schedule"]) for r in out["layouts"]])  # the schedule column's width
+    cp_head = f"{'cp':>3} " if any(r.get("cp", 1) > 1 for r in out["layouts"]) else ""  # only when planned
     lines = [
         f"{j['model']} ({j['params'] / 1e9:.1f}B total, {j['active_params'] / 1e9:.1f}B active) on "
         f"{j['nodes']}x{j['gpus_per_node']} {j['gpu']}, seq {j['seq_len']}, {j['global_batch_tokens']} tokens/step, "
         f"{j['precision']}; {out['searched']} layouts searched, {out['feasible']} fit",
         "",
-        f"{'#':>3} {'dp_rep':>6} {'dp_sh':>5} {'tp':>3} {'pp':>3} {'schedule':>{sw}} {'ep':>4} {'zero':>4} {'mb':>3} "
-        f"{'ac':>5} {'mem GB':>7} {'(p/g/o/act)':>22} {'tok/s/GPU':>10} {'MFU':>5} {'step s':>7} {'bubble':>6}",
+        f"{'#':>3} {'dp_rep':>6} {'dp_sh':>5} {'tp':>3} {'pp':>3} {'schedule':>{sw}} {'ep':>4} {cp_head}{'zero':>4} "
+        f"{'mb':>3} {'ac':>5} {'mem GB':>7} "
+        f"{'(p/g/o/act)':>22} {'tok/s/GPU':>10} {'MFU':>5} {'step s':>7} {'bubble':>6}",
     ]
     for i, r in enumerate(out["layouts"]):
         m, t = r["memory_gb"], r["time_s"]
         parts = f"{m['params']:.1f}/{m['grads']:.1f}/{m['optimizer']:.1f}/{m['activations']:.1f}"
         mark = f"{i + 1:>3}" if r["feasible"] else "  x"
+        cp_cell = f"{r.get('cp', 1):>3} " if cp_head else ""
         lines.append(
             f"{mark} {r['dp_replicate']:>6} {r['dp_shard']:>5} {r['tp']:>3} {r['pp']:>3} {r['schedule']:>{sw}} "
-            f"{r['ep']:>4} {r['zero']:>4} {r['micro_batch']:>3} {r['activation_checkpointing']:>5} {m['total']:>7.1f} "
+            f"{r['ep']:>4} {cp_cell}{r['zero']:>4} {r['micro_batch']:>3} {r['activation_checkpointing']:>5} "
+            f"{m['total']:>7.1f} "
             f"{parts:>22} {r['tokens_per_s_per_gpu']:>10.0f} {r['mfu']:>5.1%} {t.get('step_s', 0):>7.2f} "
             f"{t.get('bubble_fraction', 0):>6.1%}"
         )
@@ -205,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu = replace(gpu, matmul_efficiency=args.efficiency, fp8_matmul_efficiency=args.efficiency)
         job = Job(cfg, gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch_tokens,
                   args.precision, args.intra_gbps, args.inter_gbps, ep_overlap=args.ep_overlap)
-        cons = Constraints(args.tp, args.pp, args.ep, args.zero, args.pp_schedule)
+        cons = Constraints(args.tp, args.pp, args.ep, args.zero, args.pp_schedule, args.cp)
         out = plan(job, cons, args.top, args.infeasible)
     except ValueError as e:
         print(f"moeflow plan: error: {e}", file=sys.stderr)

@@ -113,6 +113,7 @@ class Layout:
     activation_checkpointing: str
     pp_schedule: str = "1F1B"  # one of moeflow.layout.schedules.SCHEDULES; only matters with pp > 1
     virtual_stages: int = 0  # pipeline stages per rank; 0 = the schedule's default (what the trainer runs)
+    cp: int = 1  # context parallel: ranks one sequence is split over (they see the same data)
 
     @property
     def stages_per_rank(self) -> int:
@@ -134,7 +135,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def num_micro_batches(self, job: Job) -> int:
         """Micro-batches per step per pipeline: global batch = dp * m * micro_batch * seq_len."""
@@ -147,4 +148,5 @@ class Layout:
     def short(self) -> str:
         sched = "" if self.pp == 1 else f" {self.schedule_label}"
         return (f"dp{self.dp_replicate}x{self.dp_shard} tp{self.tp} pp{self.pp}{sched} ep{self.ep} "
+                f"{f'cp{self.cp} ' if self.cp > 1 else ''}"
                 f"z{self.zero} mb{self.micro_batch} ac={self.activation_checkpointing}")

@@ -19,6 +19,11 @@ The 34 = 11 (attention) + 4 (norms) + 19 (MLP with width 4h). The MLP part is re
 a token actually touches (dense ffn_dim, or top_k * expert width + shared width): 2 + 17 * F_tok / (4h).
 With 1F1B pipelining stage i holds min(pp - i, m) micro-batches in flight (sec. 4.2.3); other schedules:
 moeflow.plan.schedule.in_flight. Under flash attention (Job.flash_attention) "none" keeps what "selective" does.
+
+Context parallelism of size c (moeflow.parallel.context): a rank holds S/c of each sequence's tokens, so every
+activation term above is divided by c (the scores too: S/c queries against S keys); FSDP shards the weights over
+dp_shard x c, and experts over dp_shard x c / ep. The all-gather variant also keeps, per layer, the whole
+sequence's keys and values: (c - 1) / c of them beyond the rank's own share (`cp_gathered_kv_bytes`).
 """
 
 from __future__ import annotations
@@ -65,8 +70,9 @@ def model_state_bytes(dense: float, expert: float, lay: Layout, tp_whole: float 
     `tp_whole` of the `dense` parameters are held whole by every tp rank (stage_tp_whole)."""
     d_local = (dense - tp_whole) / lay.tp + tp_whole
     e_local = expert / (lay.ep * lay.tp)
-    e_shard = max(1, lay.dp_shard // lay.ep)  # expert data-parallel group inside dp_shard
-    shard = lambda stage_on: (d_local / lay.dp_shard + e_local / e_shard) if stage_on else d_local + e_local
+    d_shard = lay.dp_shard * lay.cp  # FSDP shards over the data- and context-parallel ranks
+    e_shard = max(1, d_shard // lay.ep)  # expert data-parallel group inside dp_shard x cp
+    shard = lambda stage_on: (d_local / d_shard + e_local / e_shard) if stage_on else d_local + e_local
     return {
         "params": 2 * shard(lay.zero >= 3),
         "grads": 2 * shard(lay.zero >= 1),  # every stage reduce-scatters gradients (moeflow's ZeRO-1 too)
@@ -98,9 +104,22 @@ def ep_buffer_bytes(cfg: ModelConfig, job: Job, lay: Layout) -> float:
     """
     if lay.ep == 1 or not cfg.is_moe:
         return 0.0
-    tokens = job.seq_len * lay.micro_batch / lay.tp
+    tokens = job.seq_len * lay.micro_batch / (lay.tp * lay.cp)
     copies = tokens * min(cfg.moe.top_k, lay.ep)
     return 2 * copies * cfg.dim * 2 * 2
+
+
+def kv_width(cfg: ModelConfig) -> int:
+    """Key plus value elements per token of one layer: GQA kv heads x 2 x head width; multi-head latent
+    attention's per-head keys (no-RoPE + RoPE part) and values, as its core receives them."""
+    if cfg.attention == "mla":
+        return cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    return 2 * cfg.kv_heads * cfg.hd
+
+
+def cp_gathered_kv_bytes(cfg: ModelConfig, seq: int, mb: int, tp: int, cp: int) -> float:
+    """bf16 keys and values one layer gathers from the other cp ranks and keeps for backward."""
+    return 2 * seq * mb * kv_width(cfg) / tp * (cp - 1) / cp
 
 
 def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
@@ -125,7 +144,11 @@ def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
                                            lay.tp, "selective")
         if last:
             acts += 4 * job.seq_len * lay.micro_batch * cfg.vocab_size / lay.tp  # fp32 logits
-        parts["activations"] = acts
+        # context parallelism: S/cp tokens per rank, plus the gathered keys and values of the layers that keep
+        # them (one at a time while recomputing under full checkpointing)
+        kv_layers = min(1, len(layers)) if ac == "full" else len(layers) * in_flight
+        parts["activations"] = acts / lay.cp + kv_layers * cp_gathered_kv_bytes(
+            cfg, job.seq_len, lay.micro_batch, lay.tp, lay.cp)
         parts["ep_buffers"] = ep_buffer_bytes(cfg, job, lay)
         if lay.zero >= 3 and len(layers):
             # FSDP/ZeRO-3 gathers a layer's full weights, and prefetches the next one: 2 layers of bf16

@@ -1,15 +1,14 @@
 """Enumerate layouts, score each with the memory and time model, rank them.
 
-A layout: world = dp_replicate * dp_shard * tp * pp, with tp inside a node (a search choice: TP across nodes
-is never fast); every layout listed also passes moeflow.layout.ParallelDims, the rules the trainer checks
-(so the planner never recommends what `moeflow train` refuses); zero 1/2/3 acts on dp_shard (with
-dp_shard = 1 only zero 1 is listed, it is plain replication); micro_batch and activation checkpointing fill
-the rest; with pp > 1 the pipeline schedule too (moeflow.plan.schedule.SEARCHED, with the stages per rank the
-trainer uses), keeping per layout the fastest schedule that fits (scoring memory for the others only when
-the faster ones do not fit: the search stays under a second). Under flash attention "selective" recomputation
-is what "none" already does (moeflow.plan.compute), so only none and full are listed, the trainer's choices.
-Feasible = fits in memory and the global batch splits into whole micro-batches.
-"""
+A layout: world = dp_replicate * dp_shard * cp * tp * pp (cp only when pinned, --cp), with tp inside a node (a
+search choice: TP across nodes is never fast); every layout listed also passes moeflow.layout.ParallelDims, the
+rules the trainer checks (so the planner never recommends what `moeflow train` refuses); zero 1/2/3 acts on
+dp_shard (with dp_shard = 1 only zero 1 is listed, it is plain replication); micro_batch and activation
+checkpointing fill the rest; with pp > 1 the pipeline schedule too (moeflow.plan.schedule.SEARCHED, with the
+stages per rank the trainer uses), keeping per layout the fastest schedule that fits (scoring memory for the
+others only when the faster ones do not fit: the search stays under a second). Under flash attention "selective"
+recomputation is what "none" already does (moeflow.plan.compute), so only none and full are listed, the
+trainer's choices. Feasible = fits in memory and the global batch splits into whole micro-batches."""
 
 from __future__ import annotations
 
@@ -58,6 +57,7 @@ class Constraints:
     ep: int | None = None
     zero: int | None = None
     pp_schedule: str | None = None
+    cp: int | None = None  # context parallelism is planned only when pinned (None: 1)
     extra: dict = field(default_factory=dict)
 
     def check(self, job: Job) -> None:
@@ -72,23 +72,28 @@ class Constraints:
             raise ValueError(f"--ep ({self.ep}) must divide the {w} GPUs")
         if self.zero is not None and self.zero not in (1, 2, 3):
             raise ValueError(f"--zero ({self.zero}) must be 1, 2 or 3")
+        if self.cp is not None and (self.cp < 1 or w % (self.cp * (self.tp or 1) * (self.pp or 1))):
+            raise ValueError(f"--cp ({self.cp}) x --tp x --pp must divide the {w} GPUs")
         if self.pp_schedule is not None:
             try:
                 self.pp_schedule = resolve_schedule(self.pp_schedule)
             except ValueError as e:
                 raise ValueError(str(e).replace("parallel.pp_schedule", "--pp-schedule")) from None
         # The pinned sizes against the model, by the trainer's own rules.
-        refusal = trainer_refusal(job, self.tp or 1, self.pp or 1, self.ep or 1, 1, 3, self.pp_schedule or "1F1B")
+        refusal = trainer_refusal(job, self.tp or 1, self.pp or 1, self.ep or 1, 1, 3, self.pp_schedule or "1F1B",
+                                  self.cp or 1)
         if refusal:
             raise ValueError(f"the pinned sizes cannot train this model: {refusal}")
 
 
 def trainer_refusal(job: Job, tp: int, pp: int, ep: int, dp_replicate: int, zero: int,
-                    pp_schedule: str = "1F1B") -> str | None:
+                    pp_schedule: str = "1F1B", cp: int = 1) -> str | None:
     """Why `moeflow train` would refuse these sizes for this model (moeflow.layout.ParallelDims), or None."""
     try:
-        ParallelDims(job.world, dp_replicate=dp_replicate, tp=tp, pp=pp, ep=ep, zero=zero,
-                     pp_schedule=pp_schedule).check_model(job.model)
+        dims = ParallelDims(job.world, dp_replicate=dp_replicate, tp=tp, pp=pp, ep=ep, zero=zero,
+                            pp_schedule=pp_schedule, cp=cp)
+        dims.check_model(job.model)
+        dims.check_sequence(job.seq_len)
     except ValueError as e:
         return str(e)
     return None
@@ -108,17 +113,19 @@ def candidates(job: Job, cons: Constraints | None = None):
     tps = [t for t in powers_of_two_upto(g) if g % t == 0]
     pps = [p for p in powers_of_two_upto(min(cfg.n_layers, 64)) if w % p == 0]
     E = cfg.moe.num_experts if cfg.is_moe else 1
+    cp = cons.cp or 1
     for tp in tps if cons.tp is None else [cons.tp]:
         for pp in pps if cons.pp is None else [cons.pp]:
-            if w % (tp * pp):
+            if w % (tp * pp * cp):
                 continue
-            dp = w // (tp * pp)
+            dp = w // (tp * pp * cp)
             # dp_shard: the whole dp group (FSDP / ZeRO) or a power of two inside it (HSDP)
             shards = sorted({d for d in powers_of_two_upto(dp) if dp % d == 0} | {dp})
             for dp_shard in shards:
-                eps = [e for e in powers_of_two_upto(dp_shard) if E % e == 0 and dp_shard % e == 0]
+                borrowable = dp_shard * cp  # EP borrows from dp_shard x cp
+                eps = [e for e in powers_of_two_upto(borrowable) if E % e == 0 and borrowable % e == 0]
                 for ep in eps if cons.ep is None else [cons.ep]:
-                    if dp_shard % ep:
+                    if borrowable % ep:
                         continue
                     zeros = (1,) if dp_shard == 1 else (1, 2, 3)
                     for zero in zeros if cons.zero is None else [cons.zero]:
@@ -126,11 +133,11 @@ def candidates(job: Job, cons: Constraints | None = None):
                         # gathered for the step: moeflow.parallel.pipeline), so it is listed as ZeRO-2 only
                         scheds = [x for x in schedules_for(job, cons, pp)
                                   if not (zero == 3 and pp > 1 and x in ZERO_BUBBLE and cons.zero is None)
-                                  and not trainer_refusal(job, tp, pp, ep, dp // dp_shard, zero, x)]
+                                  and not trainer_refusal(job, tp, pp, ep, dp // dp_shard, zero, x, cp)]
                         for mb in MICRO_BATCHES:
                             runnable = [x for x in scheds if _microbatches_ok(job, dp, pp, mb, x)]
                             for ac in acs:
-                                group = [Layout(dp // dp_shard, dp_shard, tp, pp, ep, zero, mb, ac, x)
+                                group = [Layout(dp // dp_shard, dp_shard, tp, pp, ep, zero, mb, ac, x, cp=cp)
                                          for x in runnable]
                                 if group:
                                     yield group

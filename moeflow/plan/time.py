@@ -12,6 +12,9 @@
   inside a node, `node` across nodes), forward and backward. Not overlapped, unless `Job.ep_overlap`: then it
   is hidden up to the rank's compute of a micro-batch, which slows by the SMs the communication kernels hold
   (20 of an H800's 132, DeepSeek-V3 report sec. 3.2.2).
+- CP (context parallelism, `cp_seconds`): each cp rank computes 1/cp of every sequence (balanced causal chunks),
+  and per layer all-gathers the whole sequence's K and V forward and reduce-scatters their gradients backward,
+  not overlapped.
 - PP: the schedule's bubble (moeflow.plan.schedule) from the slowest rank's forward / input-gradient /
   weight-gradient seconds, plus a point-to-point send of the s*b*h/t activation per stage boundary per
   micro-batch, forward and backward.
@@ -30,7 +33,7 @@ from __future__ import annotations
 from moeflow.layout.schedules import pipeline_layout
 from moeflow.plan.compute import ATTENTION_EFFICIENCY, FBW, Rates, head_cost, layer_cost
 from moeflow.plan.layout import Job, Layout
-from moeflow.plan.memory import stage_params
+from moeflow.plan.memory import kv_width, stage_params
 from moeflow.plan.schedule import ZERO_BUBBLE, bubble_seconds
 from moeflow.sim.ep import Links, expected_uniform_copies, row_bytes
 
@@ -116,7 +119,10 @@ def _rank_micro_batch(job: Job, lay: Layout, rank: tuple, links: Links) -> dict:
     comp = dense.scale(n_dense) + moe.scale(n_moe)
     if has_head:
         comp = comp + head
-    t, s, b = lay.tp, job.seq_len, lay.micro_batch
+    # context parallelism: each cp rank computes 1/cp of every sequence (load-balanced causal chunks: the attention
+    # too), and moves 1/cp of its activations
+    comp = comp.scale(1 / lay.cp)
+    t, s, b = lay.tp, job.seq_len / lay.cp, lay.micro_batch
     tp = 0.0
     if t > 1:
         bw, alpha = ((links.intra_gbps, links.alpha_intra_s) if t <= job.gpus_per_node
@@ -124,15 +130,31 @@ def _rank_micro_batch(job: Job, lay: Layout, rank: tuple, links: Links) -> dict:
         one = ring_time(s * b * cfg.dim * 2, t, 1.0, bw, alpha)
         tp = one * (4 * n_dense + 2 * n_moe)  # forward collectives; the backward has as many
     tp_f, tp_b = tp, tp * (2 if lay.activation_checkpointing == "full" else 1)
-    ep = _ep_layer_seconds(job, lay, links) * n_moe  # forward; backward the same
+    ep = _ep_layer_seconds(job, lay, links) * n_moe / lay.cp  # forward; backward the same
     if job.ep_overlap and ep > 0:
         comp = comp.scale(1 / (1 - COMM_SM_SHARE))
         ep = max(0.0, 2 * ep - comp.total) / 2
     p2p = 0.0
     if lay.pp > 1:
         p2p = n_stages * (links.alpha_inter_s + s * b * cfg.dim * 2 / t / (links.inter_gbps * 1e9))
-    fbw = FBW(comp.f + tp_f + ep + p2p, comp.b + tp_b + ep + p2p, comp.w)
-    return {"fbw": fbw, "comp": comp, "tp": tp_f + tp_b, "ep": 2 * ep, "p2p": 2 * p2p}
+    cp_f, cp_b = cp_seconds(job, lay, n_dense + n_moe, links)
+    fbw = FBW(comp.f + tp_f + ep + p2p + cp_f, comp.b + tp_b + ep + p2p + cp_b, comp.w)
+    return {"fbw": fbw, "comp": comp, "tp": tp_f + tp_b, "ep": 2 * ep, "p2p": 2 * p2p, "cp": cp_f + cp_b}
+
+
+def cp_seconds(job: Job, lay: Layout, layers: int, links: Links) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of context parallelism's collectives (moeflow.parallel.context)
+    for `layers` layers: per layer an all-gather of the whole sequence's bf16 keys and values (this tp rank's
+    heads) over the cp ranks, a reduce-scatter of their gradients in backward, and one more all-gather when full
+    activation checkpointing recomputes the forward. Ring volumes (cp-1)/cp of the whole buffer; inside a node when
+    cp x tp GPUs fit in one (cp sits next to tp in the mesh); not overlapped with compute (an assumption)."""
+    if lay.cp == 1:
+        return 0.0, 0.0
+    kv_bytes = 2 * job.seq_len * lay.micro_batch * kv_width(job.model) / lay.tp
+    intra = lay.cp * lay.tp <= job.gpus_per_node
+    bw, alpha = (links.intra_gbps, links.alpha_intra_s) if intra else (links.inter_gbps, links.alpha_inter_s)
+    one = layers * ring_time(kv_bytes, lay.cp, 1.0, bw, alpha)
+    return one, one * (2 if lay.activation_checkpointing == "full" else 1)
 
 
 def _dp_exposed(job: Job, lay: Layout, m: int, rank: tuple, comp: FBW, links: Links) -> float:
@@ -140,8 +162,9 @@ def _dp_exposed(job: Job, lay: Layout, m: int, rank: tuple, comp: FBW, links: Li
     micro-batch (collectives overlap computation, not other communication)."""
     dense, expert = rank[4:]
     t = lay.tp
-    groups = [(dense / t, lay.dp_shard), (expert / (lay.ep * t), max(1, lay.dp_shard // lay.ep))]
-    spans = t * lay.dp_shard > job.gpus_per_node
+    d_shard = lay.dp_shard * lay.cp  # FSDP shards over the data- and context-parallel ranks
+    groups = [(dense / t, d_shard), (expert / (lay.ep * t), max(1, d_shard // lay.ep))]
+    spans = t * d_shard > job.gpus_per_node
     bw, alpha = (links.inter_gbps, links.alpha_inter_s) if spans else (links.intra_gbps, links.alpha_intra_s)
     gather = lambda n_params, n: ring_time(2 * n_params, n, 1.0, bw, alpha)  # bf16 parameters
     reduce = lambda n_params, n: ring_time(4 * n_params, n, 1.0, bw, alpha)  # fp32 gradients
@@ -174,6 +197,7 @@ def step_time(job: Job, lay: Layout) -> dict[str, float]:
         "tp_s": m * slow["tp"],
         "ep_s": m * slow["ep"],
         "pp_p2p_s": m * slow["p2p"],
+        "cp_s": m * slow["cp"],
         "bubble_s": bubble,
         "dp_exposed_s": t_dp,
         "bubble_fraction": bubble / t_pipe if t_pipe else 0.0,

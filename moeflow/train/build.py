@@ -64,7 +64,7 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
                       activation_checkpointing=t.activation_checkpointing, ep_backend=p.ep_backend,
                       ep_overlap=p.ep_overlap, ep_chunks=p.ep_overlap_chunks, ep_num_worst_tokens=p.ep_num_worst_tokens,
                       autocast_dtype=torch.bfloat16 if bf16 else None, loss_fn=tp_loss, compile=t.compile,
-                      pp_microbatch_shape=(batch.micro_batch, cfg.data.seq_len,
+                      pp_microbatch_shape=(batch.micro_batch, cfg.data.seq_len // dims.cp,
                                            torch.bfloat16 if bf16 else torch.float32),
                       device_type="cpu" if device.type == "meta" else device.type)
     bytes_read = None

@@ -50,8 +50,7 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     the gradient bytes this rank held only when `measure` (the last step, for the summary)."""
     model, par = s.model, s.par
     model.train()
-    inputs, targets = s.sampler.next_batch()
-    inputs, targets = inputs.to(s.info.device), targets.to(s.info.device)
+    inputs, targets = (par.local_sequence(t).to(s.info.device) for t in s.sampler.next_batch())
     layers = moe_layers(cfg)
     row_of = {layer: i for i, layer in enumerate(layers)}
     E = cfg.model.moe.num_experts
@@ -114,7 +113,8 @@ def _moe_stats(cfg: JobConfig, routers, layers, loads_LE, dropped) -> dict:
 @torch.no_grad()
 def evaluate(cfg: JobConfig, s: Setup) -> float | None:
     """Mean validation loss; each data-parallel rank scores its rows of every batch (tp and pp ranks of
-    one replica see the same rows) and the sums are all-reduced (copies cancel in the ratio)."""
+    one replica see the same rows, cp ranks their chunks of them) and the sums are all-reduced (copies cancel
+    in the ratio)."""
     if not s.val:
         return None
     s.model.eval()
@@ -123,7 +123,7 @@ def evaluate(cfg: JobConfig, s: Setup) -> float | None:
     for inputs, targets in s.val:
         n = inputs.shape[0]
         lo, hi = dp_rank * n // dp, (dp_rank + 1) * n // dp
-        x, y = inputs[lo:hi].to(s.info.device), targets[lo:hi].to(s.info.device)
+        x, y = (s.par.local_sequence(t[lo:hi]).to(s.info.device) for t in (inputs, targets))
         loss_sum = s.par.runner.eval_loss(x, y) * y.numel()
         total += torch.stack([loss_sum.float(), torch.tensor(float(y.numel()), device=s.info.device)])
     total = all_reduce_sum(total)
