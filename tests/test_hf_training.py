@@ -42,7 +42,8 @@ def _overrides(tmp_path) -> dict:
 
 def _transformers_first_loss(cfg, hf_model) -> float:
     s = build(cfg, DistInfo(0, 1, 0, torch.device("cpu")), *cfg.layout(1))
-    x, y = s.sampler.next_batch()  # the trainer's first batch (a fresh sampler with the same seed)
+    first = s.sampler.next_batch()  # the trainer's first batch (a fresh sampler with the same seed)
+    x, y = first.inputs, first.targets
     with torch.no_grad():
         return float(F.cross_entropy(hf_model(x).logits.flatten(0, 1), y.flatten()))
 

@@ -2,7 +2,10 @@
 
 Blocks live in a ModuleDict keyed by layer index, and the embedding, final norm and output head are
 optional, so a pipeline stage can keep a slice of the blocks and drop the rest (docs/design.md, principle 1).
-Shape suffixes: B batch, S sequence, D width, H heads, Hk kv heads, Dh head width, V vocab.
+Packed sequences pass `positions` (RoPE restarts per document) and `document_ids` (attention stays inside a
+document); generation passes a KVCache (moeflow.models.kv_cache).
+Shape suffixes: B batch, S sequence, T cached + new positions, D width, H heads, Hk kv heads, Dh head width,
+V vocab.
 """
 
 from __future__ import annotations
@@ -10,10 +13,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moeflow.models.attention import attend, cached_causal_mask, document_causal_mask
 from moeflow.models.config import ModelConfig
+from moeflow.models.kv_cache import KVCache, LayerCache
 from moeflow.models.layers import RMSNorm, apply_rope, rope_tables
 from moeflow.models.mla import MultiHeadLatentAttention
 from moeflow.models.moe import FeedForward, GroupedExperts, MoE, Router
@@ -37,7 +41,10 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":  # OLMoE: over all heads' widths together, before the head split
             self.q_norm, self.k_norm = RMSNorm(q_width, cfg.norm_eps), RMSNorm(kv_width, cfg.norm_eps)
 
-    def forward(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor, *,
+                mask: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        """mask: None (causal) or a boolean mask (moeflow.models.attention); cos/sin [S, Dh] or, with positions
+        per row, [B, 1, S, Dh]."""
         B, S, _ = x_BSD.shape
         q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         if self.qk_norm == "full":
@@ -49,9 +56,9 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":
             q_BHSDh, k_BHSDh = self.q_norm(q_BHSDh), self.k_norm(k_BHSDh)
         q_BHSDh, k_BHSDh = apply_rope(q_BHSDh, cos_SDh, sin_SDh), apply_rope(k_BHSDh, cos_SDh, sin_SDh)
-        o_BHSDh = F.scaled_dot_product_attention(
-            q_BHSDh, k_BHSDh, v_BHSDh, is_causal=True, enable_gqa=q_BHSDh.shape[1] != k_BHSDh.shape[1]
-        )
+        if cache is not None:
+            k_BHSDh, v_BHSDh = cache.append(k_BHSDh, v_BHSDh)  # now [B, Hk, T, Dh]
+        o_BHSDh = attend(q_BHSDh, k_BHSDh, v_BHSDh, mask)
         return self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -63,8 +70,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x_BSD, cos_SDh, sin_SDh):
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SDh, sin_SDh)
+    def forward(self, x_BSD, cos_SDh, sin_SDh, mask=None, cache=None):
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SDh, sin_SDh, mask=mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -127,17 +134,31 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        """positions [B, S]: each token's RoPE position (default 0..S-1, or after the cached ones);
+        document_ids [B, S]: attention only between positions of the same id (packed documents)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         S = h.shape[1]
-        if S > self.cfg.max_seq_len:
+        start = cache.length if cache is not None else 0
+        if start + S > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence length {S} exceeds model.max_seq_len ({self.cfg.max_seq_len}); "
+                f"sequence length {start + S} exceeds model.max_seq_len ({self.cfg.max_seq_len}); "
                 f"raise model.max_seq_len or shorten data.seq_len"
             )
-        cos, sin = self.rope_cos[:S].to(h.dtype), self.rope_sin[:S].to(h.dtype)
-        for block in self.layers.values():
-            h = block(h, cos, sin)
+        if positions is None:
+            cos, sin = self.rope_cos[start:start + S].to(h.dtype), self.rope_sin[start:start + S].to(h.dtype)
+        else:  # one row of the tables per token, broadcast over heads: [B, 1, S, Dh]
+            cos = self.rope_cos[positions].unsqueeze(1).to(h.dtype)
+            sin = self.rope_sin[positions].unsqueeze(1).to(h.dtype)
+        if document_ids is not None:
+            mask = document_causal_mask(document_ids)
+        else:
+            mask = cached_causal_mask(S, start, h.device) if cache is not None else None
+        for key, block in self.layers.items():
+            h = block(h, cos, sin, mask, cache.layer(key) if cache is not None else None)
+        if cache is not None:
+            cache.length += S
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -11,6 +11,7 @@ from moeflow.config import JobConfig
 from moeflow.parallel.grads import all_reduce_gradients, clip_grad_norm_
 from moeflow.parallel.runner import router_layers
 from moeflow.train.build import Setup
+from moeflow.train.data import IGNORE_INDEX
 from moeflow.train.distributed import all_reduce_sum
 
 
@@ -50,14 +51,16 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     the gradient bytes this rank held only when `measure` (the last step, for the summary)."""
     model, par = s.model, s.par
     model.train()
-    inputs, targets = s.sampler.next_batch()
-    inputs, targets = inputs.to(s.info.device), targets.to(s.info.device)
+    batch = s.sampler.next_batch().to(s.info.device)
     layers = moe_layers(cfg)
     row_of = {layer: i for i, layer in enumerate(layers)}
     E = cfg.model.moe.num_experts
     loads = torch.zeros(len(layers), E, device=s.info.device)
     dropped = torch.zeros(max(1, len(layers)), device=s.info.device)
-    loss = par.runner.train_step(inputs, targets)
+    # The global token mean: dp x (this rank's summed loss) / (trained targets of the whole global batch), which
+    # the data-parallel gradient average turns into the same gradient under any layout and accumulation.
+    loss_scale = par.dims.dp / max(1, batch.global_tokens)
+    loss = par.runner.train_step(batch.inputs, batch.targets, loss_scale, **batch.model_kwargs())
     for layer, (load_E, drop) in par.runner.router_loads().items():
         loads[row_of[layer]] += load_E
         dropped[row_of[layer]] += drop
@@ -120,11 +123,11 @@ def evaluate(cfg: JobConfig, s: Setup) -> float | None:
     s.model.eval()
     dp, dp_rank = s.par.dims.dp, s.par.dp_rank
     total = torch.zeros(2, device=s.info.device)
-    for inputs, targets in s.val:
-        n = inputs.shape[0]
-        lo, hi = dp_rank * n // dp, (dp_rank + 1) * n // dp
-        x, y = inputs[lo:hi].to(s.info.device), targets[lo:hi].to(s.info.device)
-        loss_sum = s.par.runner.eval_loss(x, y) * y.numel()
-        total += torch.stack([loss_sum.float(), torch.tensor(float(y.numel()), device=s.info.device)])
+    for batch in s.val:
+        n = batch.inputs.shape[0]
+        part = batch.rows(dp_rank * n // dp, (dp_rank + 1) * n // dp).to(s.info.device)
+        trained = (part.targets != IGNORE_INDEX).sum().float()
+        loss_sum = s.par.runner.eval_loss(part.inputs, part.targets, **part.model_kwargs()) * trained
+        total += torch.stack([loss_sum.float(), trained])
     total = all_reduce_sum(total)
     return float(total[0] / total[1])
