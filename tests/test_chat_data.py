@@ -165,6 +165,8 @@ def test_rows_hold_every_document_once(tmp_path, tok_dir, packed):
         ids, mask = encode_chat(hf_tok, rec["messages"])
         truncated += len(ids) > S + 1
         ids, mask = ids[:S + 1], mask[:S + 1]
+        if not any(mask[1:]):  # cut before the assistant spoke: nothing to train, left out
+            continue
         want_targets = [t if m else -100 for t, m in zip(ids[1:], mask[1:])]
         key = tuple(ids[:-1]) if packed else tuple(ids[:-1] + [0] * (S + 1 - len(ids)))
         if not packed:

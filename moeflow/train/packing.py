@@ -72,8 +72,10 @@ class DocumentRows:
         for i in np.flatnonzero(cut).tolist():  # rare: count what the truncated part still trains
             positions_E[i] = seq_len
             trained_E[i] = self._trained_in(int(docs[i]), seq_len)
+        trains = trained_E > 0  # truncation can leave nothing trained (the assistant's turn came after the cut)
+        docs, positions_E, trained_E, cut = docs[trains], positions_E[trains], trained_E[trains], cut[trains]
         self.stats = {"documents": int(len(docs)), "truncated": int(cut.sum()),
-                      "dropped": int((too_long & ~keep).sum()), "untrained": int(empty.sum())}
+                      "dropped": int((too_long & ~keep).sum()), "untrained": int(empty.sum() + (~trains).sum())}
         if packed:
             order = np.random.default_rng(seed).permutation(len(docs))
             row_of = np.asarray(first_fit(positions_E[order].tolist(), seq_len), dtype=np.int64)
