@@ -81,10 +81,13 @@ def implementations(doc_BS: torch.Tensor) -> dict:
 
 
 def time_one(fn, q, k, v, backward: bool) -> float:
+    if not backward:
+        q, k, v = q.detach(), k.detach(), v.detach()
     t0 = time.perf_counter()
-    out = fn(q, k, v)
-    if backward:
-        out.sum().backward()
+    with torch.set_grad_enabled(backward):
+        out = fn(q, k, v)
+        if backward:
+            out.sum().backward()
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -116,7 +119,7 @@ def main() -> None:
             print(f"# {name}: forward only ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
             backward[name] = False
             with torch.no_grad():
-                out = fn(q, k, v)
+                out = fn(q.detach(), k.detach(), v.detach())
         checks[name] = None if "baseline" in name else float((out.detach() - reference).abs().max())
     times = {name: [] for name in impls}
     for _ in range(2):  # warm-up (compilation, allocator)
