@@ -90,6 +90,9 @@ def cmd_train(argv: list[str]) -> int:
     launching = nproc and nproc > 1 and "LOCAL_RANK" not in os.environ
     if launching:
         cfg.layout(nproc)  # a bad layout is one line here, not an error in every rank
+    if args.prepare_data and not uses_cache(cfg):
+        print(f"data.source = {cfg.data.source!r} is read directly (no token cache to prepare)", file=sys.stderr)
+        return 0
     if args.prepare_data or (launching and uses_cache(cfg)):
         # One process tokenizes (bad records are one line here), before any rank or process group exists.
         print(f"data cache: {prepare(cfg)}", file=sys.stderr)

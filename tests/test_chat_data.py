@@ -96,6 +96,11 @@ def test_every_format_gives_the_same_tokens(tmp_path, tok_dir):
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     assert want[0] == [t for r in records for t in encode_chat(hf_tok, r["messages"])[0]]
     assert want[2].locate(7) == f"{tmp_path / 'chat.jsonl'} line 8"
+    alpaca = [{"instruction": sentence(random.Random(i)), "input": "" if i % 2 else "2 3", "output": "5"}
+              for i in range(6)]
+    write_jsonl(tmp_path / "alpaca.jsonl", alpaca)
+    assert tokens(tmp_path / "alpaca.jsonl", "instruction")[0] == [
+        t for r in alpaca for t in encode_chat(hf_tok, instruction_to_messages(r))[0]]
     text = tokens(tmp_path / "text.jsonl", "text")
     assert tokens(tmp_path / "text.csv", "text")[0] == text[0] and text[1] is None
     eos = hf_tok.convert_tokens_to_ids("<|endoftext|>")  # the first of moeflow's end-of-document names it has
@@ -237,6 +242,19 @@ def test_bad_input_is_one_line_naming_the_record(tmp_path, tok_dir):
     other_tok = make_chat_tokenizer(tmp_path / "other_tok", vocab_size=280)
     msg = _error(_cfg(tmp_path / "o", cache_folder, *chat, tok=other_tok), tmp_path / "o")
     assert "was written by the tokenizer" in msg and "not the one this run uses" in msg
+
+
+def test_hub_name_offline_is_one_line(tmp_path, tok_dir, monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    # read at import time, so set where they were read too: no network attempt, no timeout
+    for module in (datasets.config, huggingface_hub.constants):
+        monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    msg = _error(_cfg(tmp_path, "hf:someone/no-such-dataset:test", "--data.format=chat", tok=tok_dir), tmp_path)
+    assert msg.startswith("data.source = 'hf:someone/no-such-dataset:test': cannot load 'someone/no-such-dataset' "
+                          "split 'test' from the Hugging Face Hub")
 
 
 def test_cli_prepare_data_reports_one_line(tmp_path, tok_dir, capsys):
