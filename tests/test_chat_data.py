@@ -184,6 +184,34 @@ def test_rows_hold_every_document_once(tmp_path, tok_dir, packed):
         assert rows.num_sequences < 50 and rows.stats["fill"] > 0.8
 
 
+def test_resume_mid_epoch_under_another_layout_gives_the_same_batches(tmp_path, tok_dir):
+    import torch
+
+    from moeflow.train.data import BatchSampler
+
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations(60, seed=6))
+    cache = open_cache(prepare(_cfg(tmp_path, data, "--data.format=chat", tok=tok_dir)))
+    rows = DocumentRows(cache, np.arange(cache.num_documents), 64, packed=True, seed=1)
+    whole = BatchSampler(rows, 64, 6, seed=2)
+    steps = rows.num_sequences // 6 + 3  # past the end of the first epoch
+    expected = [whole.next_batch() for _ in range(steps)]
+    first = BatchSampler(rows, 64, 6, seed=2)
+    for _ in range(2):  # stop mid-epoch
+        first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))
+    ranks = [BatchSampler(rows, 64, 6, r, 3, seed=2) for r in range(3)]  # resume on 3 data-parallel ranks
+    for sampler in ranks:
+        sampler.load_state_dict(state)
+    for want in expected[2:]:
+        parts = [sampler.next_batch() for sampler in ranks]
+        for key in ("inputs", "targets", "positions", "document_ids"):
+            assert torch.equal(torch.cat([getattr(p, key) for p in parts]), getattr(want, key)), key
+        assert {p.global_tokens for p in parts} == {want.global_tokens} == {int((want.targets != -100).sum())}
+    other = DocumentRows(cache, np.arange(cache.num_documents), 64, packed=False)
+    with pytest.raises(ValueError, match="the checkpoint's data was .*packed.* but this run's is .*rows"):
+        BatchSampler(other, 64, 6, seed=2).load_state_dict(state)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 
 

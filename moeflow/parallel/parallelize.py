@@ -64,7 +64,8 @@ def parallelize(
     microbatches: forwards per step (pipeline micro-batches, or gradient accumulation). tp_plan: {module-name
     pattern: ParallelStyle}, default moeflow.parallel.tensor.tp_plan(model). pp_boundaries: the first layer of
     each stage (default: an even split). pp_microbatch_shape: (rows, seq, logits dtype) of one micro-batch, to
-    skip torch's shape inference. loss_fn(logits, targets) -> mean loss (default: moeflow.parallel.loss.tp_loss).
+    skip torch's shape inference. loss_fn(logits, targets, reduction='sum') -> the summed loss over targets that
+    are not -100 (default: moeflow.parallel.loss.tp_loss); the runner scales it (moeflow.parallel.runner).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     if dims is None:

@@ -310,7 +310,8 @@ def build_schedule(
     microbatch_shape: tuple | None = None,
 ) -> PipelineRunner:
     """Wrap this rank's stage modules (as `build_stage_modules` returned them, after any FSDP / EP
-    wrapping) in PipelineStages and the named schedule. `loss_fn` must average over the micro-batch.
+    wrapping) in PipelineStages and the named schedule. `loss_fn(logits, targets, reduction='sum')` sums over
+    the micro-batch; the runner scales it by the step's loss scale.
 
     With FSDP2, shard each block and then each stage module (its root): torch's PipelineStage
     recognises an FSDP root and reduce-scatters the gradients once per step, after the last

@@ -403,6 +403,12 @@ class BatchSampler:
     def load_state_dict(self, sd: dict) -> None:
         """Continue from a saved position. The seed and the data (window count, seq_len) must be unchanged;
         global_batch and the data-parallel size may change, the stream continues where it stopped."""
+        if sd.get("data") != self.source.key:  # first: it names what changed (source, tokenizer, format, packing)
+            raise ValueError(
+                f"cannot resume the data sampler: the checkpoint's data was {sd.get('data')!r} but this run's is "
+                f"{self.source.key!r} (another source, tokenizer, format or packing). Resume with the same data "
+                "settings, or start a new run directory."
+            )
         checks = (("seed", "training.seed", self.seed), ("seq_len", "the sequence length", self.seq_len),
                   ("num_windows", "the number of training windows", self.num_windows))
         for key, name, mine in checks:
@@ -411,12 +417,6 @@ class BatchSampler:
                     f"cannot resume the data sampler: {name} was {int(sd[key])} in the checkpoint but is "
                     f"{mine} now. Resume with the same data and settings, or start a new run directory."
                 )
-        if sd.get("data") != self.source.key:
-            raise ValueError(
-                f"cannot resume the data sampler: the checkpoint's data was {sd.get('data')!r} but this run's is "
-                f"{self.source.key!r} (another source, tokenizer, format or packing). Resume with the same data "
-                "settings, or start a new run directory."
-            )
         self.step = int(sd["step"])
         self.consumed = int(sd["consumed"])
 
