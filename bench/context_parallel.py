@@ -77,8 +77,11 @@ def _worker(rank: int, cp: int, seq: int, repeats: int, tmp: str) -> None:
 
         from moeflow.parallel.context import apply_context_parallel, shard_sequence
 
-        loss_fn = apply_context_parallel([model], init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)), tp_loss)
+        token_scale = apply_context_parallel([model], init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)))
         inputs, targets = shard_sequence(inputs, rank, cp), shard_sequence(targets, rank, cp)
+
+        def loss_fn(logits, targets):  # this rank's share of the whole sequence's mean, times cp
+            return tp_loss(logits, targets, reduction="sum") * token_scale(targets)
 
     def step():
         loss = loss_fn(model(inputs), targets)

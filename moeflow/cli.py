@@ -1,4 +1,4 @@
-"""The `moeflow` command: train | plan | simulate | convert | info."""
+"""The `moeflow` command: train | generate | eval | plan | simulate | convert | info."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ USAGE = """moeflow <command> [options]
 
 commands:
   train      train a model (config file + --section.key=value overrides); --help for details
+  generate   generate text with a run or a Hugging Face folder (`moeflow generate --help`)
+  eval       loss and perplexity of a run or a Hugging Face folder on a file or dataset
   plan       choose a parallel layout for a model on a cluster (memory and time model)
   simulate   predict expert-parallel traffic at scale (`moeflow simulate ep --help`)
   convert    Hugging Face folder <-> moeflow checkpoint (`moeflow convert --help`)
@@ -45,6 +47,9 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=None,
                    help="with --dry-run: the number of ranks to plan for (default: --nproc-per-node or 1)")
     p.add_argument("--json", action="store_true", help="with --dry-run: print JSON instead of a table")
+    p.add_argument("--prepare-data", action="store_true",
+                   help="tokenize the dataset into its cache (data.cache_dir) and exit; run it once before a "
+                   "torchrun / Slurm launch of a large dataset so no rank waits on the tokenizer")
     return p
 
 
@@ -89,12 +94,24 @@ def cmd_train(argv: list[str]) -> int:
         out = dry_run(cfg, world)
         print(json.dumps(out, indent=1) if args.json else format_dry_run(out))
         return 0
+    from moeflow.train.data_setup import prepare, uses_cache
+
     nproc = args.nproc_per_node
     max_restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
     if max_restarts < 0:
         raise ValueError(f"--max-restarts {max_restarts}: use 0 (no restarts) or more")
-    if ((nproc and nproc > 1) or max_restarts > 0) and "LOCAL_RANK" not in os.environ:
+    launching = ((nproc and nproc > 1) or max_restarts > 0) and "LOCAL_RANK" not in os.environ
+    if launching:
         cfg.layout(nproc or 1)  # a bad layout is one line here, not an error in every rank
+    if args.prepare_data and not uses_cache(cfg):
+        print(f"data.source = {cfg.data.source!r} is read directly (no token cache to prepare)", file=sys.stderr)
+        return 0
+    if args.prepare_data or (launching and uses_cache(cfg)):
+        # One process tokenizes (bad records are one line here), before any rank or process group exists.
+        print(f"data cache: {prepare(cfg)}", file=sys.stderr)
+        if args.prepare_data:
+            return 0
+    if launching:
         return _launch(nproc or 1, argv, cfg.run_dir, max_restarts)
     from moeflow.train.faults import exit_code
     from moeflow.train.trainer import train
@@ -152,10 +169,21 @@ def format_summary(s: dict) -> str:
         ("val loss", fmt(s["val_loss"])),
         ("tokens/s", f"{s['tokens_per_s']:,.0f}" + ("  (MFU unknown: no peak FLOP/s for this device)"
                                                     if s.get("mfu") == "unknown" else "")),
+        *([("data", _data_line(s["data"]))] if s.get("data") else []),
         ("checkpoint", s["checkpoint"] or "none"),
+        *([("loss curve", s["loss_curve"])] if s.get("loss_curve") else []),
         ("metrics", f"{s['metrics']}  (TensorBoard: tensorboard --logdir {s['tensorboard']})"),
     ]
     return "\nsummary\n" + "\n".join(f"  {k:<11} {v}" for k, v in rows)
+
+
+def _data_line(d: dict) -> str:
+    """'chat, 120 records -> 37 packed rows (83% full), 2 truncated' (token cache runs)."""
+    line = f"{d['format']}, {d['records']:,} records"
+    if "rows" in d:
+        line += f" -> {d['rows']:,} {'packed ' if d['packing'] else ''}rows ({d['fill']:.0%} full)"
+    extra = [f"{d[k]} {k}" for k in ("truncated", "dropped") if d.get(k)]
+    return line + (", " + ", ".join(extra) if extra else "")
 
 
 def cmd_info(argv: list[str]) -> int:
@@ -196,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(rest)
         if cmd == "info":
             return cmd_info(rest)
+        if cmd == "generate":
+            from moeflow.generate import main as generate_main
+
+            return generate_main(rest)
+        if cmd == "eval":
+            from moeflow.evaluate import main as eval_main
+
+            return eval_main(rest)
         if cmd == "plan":
             from moeflow.plan.cli import main as plan_main
 

@@ -27,10 +27,27 @@ from moeflow.models.presets import get_preset
 @dataclass
 class DataConfig:
     source: str = "stdlib"
-    """'stdlib' (this Python's own standard-library sources: no download), a text file, a folder,
-    a .jsonl file with a 'text' field, or a pre-tokenized .bin file."""
+    """'stdlib' (this Python's own standard-library sources: no download), a text file, a folder of text files,
+    a pre-tokenized .bin file, a .jsonl/.json/.parquet/.arrow/.csv file or a folder of them (read with Hugging
+    Face datasets), hf:NAME[:SPLIT] (the Hub), or a token cache folder written by an earlier run."""
+    format: str = "text"
+    """'text' (a 'text' field, or plain text), 'chat' (a 'messages' list rendered with the tokenizer's chat
+    template, loss on the assistant's tokens only) or 'instruction' (Alpaca 'instruction'/'input'/'output',
+    rendered as a chat)."""
+    packing: bool = False
+    """Pack whole documents into each sequence (first-fit); attention never crosses a document and positions
+    restart in each. Without it 'text' is one token stream cut into windows and 'chat'/'instruction' put one
+    conversation per sequence."""
+    overlong: str = "truncate"
+    """A document or conversation longer than seq_len + 1 tokens: 'truncate' (keep its start; counted in the
+    summary), 'drop' (counted) or 'error'."""
+    chat_template: str = ""
+    """A Jinja chat template file to use instead of the tokenizer's own ('' = the tokenizer's)."""
+    cache_dir: str = ""
+    """Where tokenized datasets are kept, one folder per source, tokenizer and format ('' = RUN_DIR/data-cache)."""
     tokenizer: str = "auto"
-    """'byte', a path to a Hugging Face tokenizer.json, or 'auto' (tokenizer.json beside the data, else byte)."""
+    """'byte', a path to a Hugging Face tokenizer.json or tokenizer folder, or 'auto' (model.hf_path's tokenizer,
+    else the one beside the data, else byte)."""
     token_dtype: str = "uint16"
     """Element type of a .bin token file: 'uint16' or 'uint32'."""
     seq_len: int = 128
@@ -159,6 +176,11 @@ class MetricsConfig:
     the last metrics line, exceeds this many times the median rank's (the lower median). 0 = off."""
     tensorboard: bool = True
     """Also write TensorBoard event files to RUN_DIR/tb."""
+    wandb: bool = False
+    """Also log to Weights & Biases (the keys of metrics.jsonl; needs `pip install wandb`; WANDB_MODE=offline
+    works without an account)."""
+    wandb_project: str = "moeflow"
+    """The W&B project runs are logged to."""
 
 
 @dataclass
@@ -215,6 +237,8 @@ class JobConfig:
         if not 0 < self.data.val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
         check_choice("data.token_dtype", self.data.token_dtype, ("uint16", "uint32"))
+        check_choice("data.format", self.data.format, ("text", "chat", "instruction"))
+        check_choice("data.overlong", self.data.overlong, ("truncate", "drop", "error"))
         check_choice("parallel.ep_backend", self.parallel.ep_backend, EP_BACKENDS)
         p = self.parallel
         if p.ep_overlap_chunks < 1:
@@ -222,6 +246,10 @@ class JobConfig:
         if p.ep_num_worst_tokens < -1:
             raise ValueError(f"parallel.ep_num_worst_tokens = {p.ep_num_worst_tokens}; use 0 (exact sizes), -1 (static "
                              f"sizes that never drop a token) or a number of rows")
+        if p.cp > 1 and self.data.packing:
+            raise ValueError(f"data.packing = true with parallel.cp = {p.cp}: context parallelism computes plain "
+                             f"causal attention over whole sequences, not per-document masks; set "
+                             f"data.packing = false or parallel.cp = 1")
         self._validate_fault_settings()
         return self
 

@@ -222,8 +222,10 @@ def test_windows_hand_computed():
     tokens = np.arange(20)
     s = BatchSampler(tokens, seq_len=4, global_batch=4, dp_rank=0, dp_size=1, seed=7)
     assert s.num_windows == 4
-    x, y = s.next_batch()
+    b = s.next_batch()
+    x, y = b.inputs, b.targets
     assert x.dtype == torch.long and x.shape == (4, 4) and y.shape == (4, 4)
+    assert b.global_tokens == 16 and b.positions is None and b.document_ids is None
     rows = sorted(x.tolist())
     assert rows == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]  # one epoch = each once
     assert torch.equal(y, x + 1)  # targets are inputs shifted by one on an arange
@@ -236,7 +238,7 @@ def test_epoch_wrap_mid_step():
     s = BatchSampler(tokens, seq_len=4, global_batch=3, seed=1)
     p0, p1 = np.random.default_rng(1).permutation(4), np.random.default_rng(2).permutation(4)
     stream = list(p0) + list(p1)
-    got = [s.next_batch()[0][:, 0].tolist() for _ in range(2)]
+    got = [s.next_batch().inputs[:, 0].tolist() for _ in range(2)]
     assert got == [[4 * int(w) for w in stream[0:3]], [4 * int(w) for w in stream[3:6]]]
     assert s.epoch == 1
 
@@ -246,7 +248,7 @@ def test_deterministic_and_seed_dependent():
     a = BatchSampler(tokens, 8, 4, seed=3)
     b = BatchSampler(tokens, 8, 4, seed=3)
     c = BatchSampler(tokens, 8, 4, seed=4)
-    xa, xb, xc = ([s.next_batch()[0] for _ in range(5)] for s in (a, b, c))
+    xa, xb, xc = ([s.next_batch().inputs for _ in range(5)] for s in (a, b, c))
     assert all(torch.equal(p, q) for p, q in zip(xa, xb))
     assert not all(torch.equal(p, q) for p, q in zip(xa, xc))
 
@@ -257,11 +259,12 @@ def test_rank_union_equals_single_process(dp_size):
     single = BatchSampler(tokens, 5, 6, 0, 1, seed=11)
     ranks = [BatchSampler(tokens, 5, 6, r, dp_size, seed=11) for r in range(dp_size)]
     for _ in range(15):
-        x1, y1 = single.next_batch()
+        one = single.next_batch()
         parts = [s.next_batch() for s in ranks]
-        assert all(p[0].shape == (6 // dp_size, 5) for p in parts)
-        assert torch.equal(torch.cat([p[0] for p in parts]), x1)
-        assert torch.equal(torch.cat([p[1] for p in parts]), y1)
+        assert all(p.inputs.shape == (6 // dp_size, 5) for p in parts)
+        assert torch.equal(torch.cat([p.inputs for p in parts]), one.inputs)
+        assert torch.equal(torch.cat([p.targets for p in parts]), one.targets)
+        assert all(p.global_tokens == one.global_tokens == 6 * 5 for p in parts)
 
 
 @pytest.mark.parametrize("k", [0, 3, 10])
@@ -276,9 +279,9 @@ def test_resume_matches_uninterrupted(k):
     assert sd["step"] == k and sd["seed"] == 5
     resumed = BatchSampler(tokens, 3, 4, 1, 2, seed=5)
     resumed.load_state_dict(sd)
-    for x, y in expected:
-        rx, ry = resumed.next_batch()
-        assert torch.equal(rx, x) and torch.equal(ry, y)
+    for want in expected:
+        got = resumed.next_batch()
+        assert torch.equal(got.inputs, want.inputs) and torch.equal(got.targets, want.targets)
 
 
 def test_resume_refuses_other_seed_or_data():
@@ -305,7 +308,8 @@ def test_bin_memmap_through_sampler(tmp_path):
     path = tmp_path / "t.bin"
     np.arange(41, dtype=np.uint32).tofile(path)
     tokens = load_tokens(str(path), None, token_dtype="uint32", vocab_size=64)
-    x, y = BatchSampler(tokens, 8, 5, seed=0).next_batch()
+    b = BatchSampler(tokens, 8, 5, seed=0).next_batch()
+    x, y = b.inputs, b.targets
     assert x.dtype == torch.long and sorted(x[:, 0].tolist()) == [0, 8, 16, 24, 32]
     assert torch.equal(y, x + 1)
 
@@ -314,14 +318,15 @@ def test_val_batches_fixed_order():
     tokens = np.arange(20)  # 4 windows of seq_len 4
     batches = val_batches(tokens, 4, batch=3, max_batches=None)
     assert len(batches) == 1  # only full batches
-    x, y = batches[0]
+    x, y = batches[0].inputs, batches[0].targets
+    assert batches[0].global_tokens == 3 * 4
     assert x.tolist() == [window(tokens, w, 4)[:-1] for w in range(3)]
     assert y.tolist() == [window(tokens, w, 4)[1:] for w in range(3)]
     two = val_batches(np.arange(41), 4, batch=2, max_batches=None)
-    assert [b[0][:, 0].tolist() for b in two] == [[0, 4], [8, 12], [16, 20], [24, 28], [32, 36]]
+    assert [b.inputs[:, 0].tolist() for b in two] == [[0, 4], [8, 12], [16, 20], [24, 28], [32, 36]]
     assert len(val_batches(np.arange(41), 4, batch=2, max_batches=2)) == 2
     small = val_batches(np.arange(9), 4, batch=8, max_batches=None)  # 2 windows < batch: one batch of both
-    assert len(small) == 1 and small[0][0].shape == (2, 4)
+    assert len(small) == 1 and small[0].inputs.shape == (2, 4)
     assert val_batches(np.arange(0), 4, batch=2, max_batches=3) == []
     again = val_batches(np.arange(41), 4, batch=2, max_batches=None)
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(two, again))
+    assert all(torch.equal(a.inputs, b.inputs) for a, b in zip(two, again))

@@ -47,7 +47,8 @@ def _overrides(tmp_path) -> dict:
 
 def _transformers_first_loss(cfg, hf_model) -> float:
     s = build(cfg, DistInfo(0, 1, 0, torch.device("cpu")), *cfg.layout(1))
-    x, y = s.sampler.next_batch()  # the trainer's first batch (a fresh sampler with the same seed)
+    first = s.sampler.next_batch()  # the trainer's first batch (a fresh sampler with the same seed)
+    x, y = first.inputs, first.targets
     with torch.no_grad():
         return float(F.cross_entropy(hf_model(x).logits.flatten(0, 1), y.flatten()))
 
@@ -64,7 +65,8 @@ def test_a_wrong_expert_slice_moves_the_loss_far_beyond_the_tolerance(hf_folder,
 
     folder, hf_model = hf_folder
     cfg = load_config(None, {**_overrides(tmp_path), "model.hf_path": str(folder), "run_dir": str(tmp_path / "r")})
-    x, y = build(cfg, DistInfo(0, 1, 0, torch.device("cpu")), *cfg.layout(1)).sampler.next_batch()
+    batch = build(cfg, DistInfo(0, 1, 0, torch.device("cpu")), *cfg.layout(1)).sampler.next_batch()
+    x, y = batch.inputs, batch.targets
     model, _ = from_pretrained(folder)
 
     def loss(**changed) -> float:

@@ -37,7 +37,8 @@ from moeflow.models.transformer import Transformer
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # Tokenizer and generation files travel with the weights on conversion (moeflow reads only tokenizer.json).
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+              "chat_template.jinja")
 # What a moeflow config keeps when model.hf_path replaces its architecture: how to train, not what is trained.
 TRAINING_KNOBS = {"moe": ("expert_impl", "aux_loss_coef", "z_loss_coef", "capacity_factor", "bias_update_rate")}
 # Fields of an original config.json that moeflow does not model but an export back to it keeps: token ids and

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moeflow.models.attention import attend
 from moeflow.models.config import RopeScaling
 
 
@@ -94,7 +94,8 @@ class AttentionCore:
     output, causally. It is the one place attention looks at other positions of the sequence, so a parallel
     dimension that splits the sequence swaps it (moeflow.parallel.context subclasses the module's class)."""
 
-    def core(self, q_BHSDh: torch.Tensor, k_BHkSDh: torch.Tensor, v_BHkSDv: torch.Tensor,
-             scale: float | None = None) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q_BHSDh, k_BHkSDh, v_BHkSDv, is_causal=True, scale=scale,
-                                              enable_gqa=q_BHSDh.shape[1] != k_BHkSDh.shape[1])
+    def core(self, q_BHSDh: torch.Tensor, k_BHkTDh: torch.Tensor, v_BHkTDv: torch.Tensor,
+             mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+        """mask: None (causal) or a boolean mask (moeflow.models.attention); T keys (S, or more after a KV
+        cache)."""
+        return attend(q_BHSDh, k_BHkTDh, v_BHkTDv, mask, scale=scale)

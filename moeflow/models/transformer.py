@@ -2,7 +2,10 @@
 
 Blocks live in a ModuleDict keyed by layer index, and the embedding, final norm and output head are
 optional, so a pipeline stage can keep a slice of the blocks and drop the rest (docs/design.md, principle 1).
-Shape suffixes: B batch, S sequence, D width, H heads, Hk kv heads, Dh head width, V vocab.
+Packed sequences pass `positions` (RoPE restarts per document) and `document_ids` (attention stays inside a
+document); generation passes a KVCache (moeflow.models.kv_cache).
+Shape suffixes: B batch, S sequence, T cached + new positions, D width, H heads, Hk kv heads, Dh head width,
+V vocab.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import math
 import torch
 from torch import nn
 
+from moeflow.models.attention import cached_causal_mask, document_causal_mask
 from moeflow.models.config import ModelConfig
+from moeflow.models.kv_cache import KVCache, LayerCache
 from moeflow.models.layers import AttentionCore, RMSNorm, apply_rope, rope_tables
 from moeflow.models.mla import MultiHeadLatentAttention
 from moeflow.models.moe import FeedForward, GroupedExperts, MoE, Router
@@ -36,7 +41,10 @@ class Attention(AttentionCore, nn.Module):
         elif cfg.qk_norm == "full":  # OLMoE: over all heads' widths together, before the head split
             self.q_norm, self.k_norm = RMSNorm(q_width, cfg.norm_eps), RMSNorm(kv_width, cfg.norm_eps)
 
-    def forward(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor, *,
+                mask: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        """mask: None (causal) or a boolean mask (moeflow.models.attention); cos/sin [S, Dh] or, with positions
+        per row, [B, 1, S, Dh]."""
         B, S, _ = x_BSD.shape
         q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         if self.qk_norm == "full":
@@ -48,7 +56,9 @@ class Attention(AttentionCore, nn.Module):
         if self.qk_norm == "per_head":
             q_BHSDh, k_BHSDh = self.q_norm(q_BHSDh), self.k_norm(k_BHSDh)
         q_BHSDh, k_BHSDh = apply_rope(q_BHSDh, cos_SDh, sin_SDh), apply_rope(k_BHSDh, cos_SDh, sin_SDh)
-        o_BHSDh = self.core(q_BHSDh, k_BHSDh, v_BHSDh)
+        if cache is not None:
+            k_BHSDh, v_BHSDh = cache.append(k_BHSDh, v_BHSDh)  # now [B, Hk, T, Dh]
+        o_BHSDh = self.core(q_BHSDh, k_BHSDh, v_BHSDh, mask)
         return self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -60,8 +70,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x_BSD, cos_SDh, sin_SDh):
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SDh, sin_SDh)
+    def forward(self, x_BSD, cos_SDh, sin_SDh, mask=None, cache=None):
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SDh, sin_SDh, mask=mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -132,21 +142,30 @@ class Transformer(nn.Module):
                 f"raise model.max_seq_len or shorten data.seq_len"
             )
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """positions: the position in its sequence of each of the S tokens given ([S], or [B, S] per row), for
-        RoPE; default 0 .. S-1. A caller holding part of a sequence (context parallelism) passes its tokens'
-        positions and checks the whole length itself."""
+        RoPE; default 0 .. S-1 (or after the cached ones). A caller holding part of a sequence (context
+        parallelism) passes its tokens' positions and checks the whole length itself.
+        document_ids [B, S]: attention only between positions of the same id (packed documents)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         S = h.shape[1]
+        start = cache.length if cache is not None else 0
         if positions is None:
-            self.check_length(S)
-            cos, sin = self.rope_cos[:S].to(h.dtype), self.rope_sin[:S].to(h.dtype)
+            self.check_length(start + S)
+            cos, sin = self.rope_cos[start:start + S].to(h.dtype), self.rope_sin[start:start + S].to(h.dtype)
         else:
             cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
             if positions.dim() == 2:  # [B, S, Dh] -> [B, 1, S, Dh]: broadcast over the heads
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for block in self.layers.values():
-            h = block(h, cos, sin)
+        if document_ids is not None:
+            mask = document_causal_mask(document_ids)
+        else:
+            mask = cached_causal_mask(S, start, h.device) if cache is not None else None
+        for key, block in self.layers.items():
+            h = block(h, cos, sin, mask, cache.layer(key) if cache is not None else None)
+        if cache is not None:
+            cache.length += S
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -21,9 +21,10 @@ What `apply_context_parallel` changes, by swapping classes (names, parameters an
 - every attention module (a moeflow.models.layers.AttentionCore) computes its core as above over the cp group;
 - every stage root (a moeflow Transformer) passes RoPE the positions of its two chunks and checks the whole
   length S = cp x its tokens against model.max_seq_len;
-and it returns the loss to use: normalised by the valid targets of the whole sequences (one all-reduce of a count
-over the cp group), so that the mean over the cp ranks, which FSDP's gradient average and the trainer's loss
-take, is the mean over all targets. The trainer feeds each rank its chunks of inputs and targets alike
+and it returns the runner's default loss scale: cp / the valid targets of the whole sequences (one all-reduce of a
+count over the cp group), so that the mean over the cp ranks, which FSDP's gradient average and the trainer's loss
+take, is the mean over all targets (the trainer passes its own scale, over the whole global batch). The trainer
+feeds each rank its chunks of inputs and targets alike
 (`shard_sequence`, ParallelState.local_sequence); the targets were shifted on the whole sequence, so the tokens at
 chunk boundaries keep their true next token.
 
@@ -33,7 +34,7 @@ S whole sequence, Dk query/key width, Dv value width.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -149,43 +150,47 @@ def _lower_right_kernel(q, k, v, gqa: bool) -> bool:
 
 
 def _attention_class(cls: type, group) -> type:
-    def core(self, q, k, v, scale=None):
+    def core(self, q, k, v, mask=None, scale=None):
+        if mask is not None:
+            raise ValueError("context parallelism computes plain causal attention only: packed documents "
+                             "(data.pack) and KV caches need parallel.cp = 1")
         return context_parallel_attention(q, k, v, group, scale)
 
     return type(f"ContextParallel{cls.__name__}", (cls,), {"core": core})
 
 
 def _stage_class(cls: type, rank: int, cp: int) -> type:
-    def forward(self, tokens, positions=None):
+    def forward(self, tokens, positions=None, **kwargs):
         if positions is None:  # (given positions are this rank's already, e.g. per document)
             S = tokens.shape[1] * cp  # token ids [B, L], or hidden states [B, L, D]
             self.check_length(S)
             positions = local_positions(S, rank, cp, device=tokens.device)
-        return super(sub, self).forward(tokens, positions)
+        return super(sub, self).forward(tokens, positions, **kwargs)
 
     sub = type(f"ContextParallel{cls.__name__}", (cls,), {"forward": forward})
     return sub
 
 
-class ContextParallelLoss:
-    """`loss_fn`'s sum over this rank's targets, divided by the valid targets of the whole sequences over cp:
-    the mean of this over the cp ranks is the mean over all targets, however the ignored ones (ignore_index)
-    fall between the chunks, and a rank with none still takes part. `loss_fn` must take reduction='sum'
-    (moeflow.parallel.loss.tp_loss does)."""
+class ContextParallelTokenScale:
+    """The runner's default loss scale under context parallelism (moeflow.parallel.runner): cp / the valid
+    targets of the whole sequences (one all-reduce of a count over the cp group). Each rank's summed loss times
+    this, averaged over the cp ranks (FSDP's gradient average, the trainer's loss), is the mean over all
+    targets, however the ignored ones (ignore_index) fall between the chunks; a rank with none still takes part."""
 
-    def __init__(self, loss_fn: Callable, group, ignore_index: int = -100):
-        self.loss_fn, self.group, self.ignore_index = loss_fn, group, ignore_index
+    def __init__(self, group, ignore_index: int = -100):
+        self.group, self.ignore_index = group, ignore_index
         self.cp = dist.get_world_size(group)
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def __call__(self, targets: torch.Tensor) -> torch.Tensor:
         count = (targets != self.ignore_index).sum().float()
         dist.all_reduce(count, group=self.group)
-        return self.loss_fn(logits, targets, reduction="sum") * self.cp / count.clamp(min=1)
+        return self.cp / count.clamp(min=1)
 
 
-def apply_context_parallel(stages: Sequence[nn.Module], cp_mesh, loss_fn: Callable) -> ContextParallelLoss:
+def apply_context_parallel(stages: Sequence[nn.Module], cp_mesh) -> ContextParallelTokenScale:
     """Make this rank's stage modules (moeflow Transformers: the model, or its pipeline stages) compute over
-    their chunks of each sequence with the other ranks of the 1-D `cp_mesh`; returns the loss to train with."""
+    their chunks of each sequence with the other ranks of the 1-D `cp_mesh`; returns the runner's default loss
+    scale (`runner.token_scale`)."""
     group, rank, cp = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
     swapped: dict[type, type] = {}
     done: set[int] = set()
@@ -200,4 +205,4 @@ def apply_context_parallel(stages: Sequence[nn.Module], cp_mesh, loss_fn: Callab
                     swapped[cls] = _attention_class(cls, group)
                 module.__class__ = swapped[cls]
                 done.add(id(module))
-    return ContextParallelLoss(loss_fn, group)
+    return ContextParallelTokenScale(group)

@@ -72,9 +72,10 @@ def parallelize(
     ep_num_worst_tokens: how the MoE layers move tokens (moeflow.parallel.expert.ExpertParallelDispatcher).
     tp_plan: {module-name pattern: ParallelStyle}, default moeflow.parallel.tensor.tp_plan(model).
     pp_boundaries: the first layer of each stage (default: an even split). pp_microbatch_shape: (rows, seq,
-    logits dtype) of one micro-batch, to skip torch's shape inference. loss_fn(logits, targets) -> mean loss
-    (default: moeflow.parallel.loss.tp_loss; with cp > 1 it is also called with reduction='sum'). With cp > 1 feed
-    each rank its part of every sequence, inputs and targets alike: `state.local_sequence(x_BS)`.
+    logits dtype) of one micro-batch, to skip torch's shape inference. loss_fn(logits, targets, reduction='sum') ->
+    the summed loss over targets that are not -100 (default: moeflow.parallel.loss.tp_loss); the runner scales it
+    (moeflow.parallel.runner). With cp > 1 feed each rank its part of every sequence, inputs, targets and positions
+    alike: `state.local_sequence(x_BS)`.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     if dims is None:
@@ -126,7 +127,7 @@ def parallelize(
         from moeflow.parallel.mesh import cp_mesh
 
         state.cp_mesh = cp_mesh(mesh, dims)
-        loss_fn = apply_context_parallel(stages, state.cp_mesh, loss_fn)
+        token_scale = apply_context_parallel(stages, state.cp_mesh)
     apply_activation_checkpointing(blocks(model), activation_checkpointing)
     _compile_blocks(model, compile)
     apply_fsdp(blocks(model), stages, dims, mesh, mixed_precision)
@@ -145,6 +146,8 @@ def parallelize(
         # ZeRO-1 keeps the parameters gathered across the step's micro-batches (one all-gather per step); the
         # pipeline stages do the same by themselves (torch's PipelineStage).
         state.runner = LocalRunner(model, loss_fn, microbatches, autocast, keep_gathered=dims.zero == 1)
+    if dims.cp > 1:
+        state.runner.token_scale = token_scale
     return state
 
 

@@ -7,10 +7,10 @@ the last stage `norm` and `output`; every stage is a `Transformer` whose other p
 are therefore the full model's, so checkpoints saved under any pipeline layout line up with the
 single-device model's.
 
-Gradients: the last stage's loss is the mean cross-entropy of one micro-batch, and torch's schedules
-(scale_grads=True) divide the summed micro-batch gradients by n_microbatches, which equals the gradient
-of the full per-rank batch's mean loss when the micro-batches have equal size (validated). FSDP over
-the data-parallel ranks then averages over them, as without pipelining. The MoE aux loss rides on the
+Gradients: the last stage's loss is one micro-batch's summed cross-entropy times the step's loss scale (as in
+moeflow.parallel.runner) times n_microbatches, because torch's schedules (scale_grads=True) divide the summed
+micro-batch gradients by n_microbatches; the result is the gradient of the scaled sum over the per-rank batch.
+FSDP over the data-parallel ranks then averages over them, as without pipelining. The MoE aux loss rides on the
 routing weights' gradient (moe._AttachAuxLoss), so it is divided by n_microbatches too: under
 pipelining, Router.aux_loss_scale should stay 1.0 (not 1 / micro-batches, as with plain accumulation).
 
@@ -51,7 +51,7 @@ from moeflow.layout.schedules import (
     stage_rank,
 )
 from moeflow.models.transformer import Transformer
-from moeflow.parallel.runner import router_layers
+from moeflow.parallel.runner import local_token_scale, router_layers
 
 # The torch class that runs each schedule of moeflow.layout.schedules.SCHEDULES (all seven of torch 2.13's
 # schedules match the single-device model on CPU/gloo, tests/test_pp.py, with two workarounds below: V-schedule
@@ -127,9 +127,21 @@ def _stage_view(model: Transformer, spec: StageSpec) -> Transformer:
     return stage
 
 
-def mean_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+def mean_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """The last stage's loss on one micro-batch (in fp32, like the trainer's)."""
-    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(), reduction=reduction)
+
+
+class _ScaledLoss:
+    """The loss the schedule calls per micro-batch: loss_fn's sum x the step's scale x n_microbatches (which
+    cancels the schedule's division of the gradients by n_microbatches)."""
+
+    def __init__(self, loss_fn: Callable, n_microbatches: int):
+        self.loss_fn, self.n_microbatches = loss_fn, n_microbatches
+        self.scale: torch.Tensor | float = 1.0
+
+    def __call__(self, logits, targets):
+        return self.loss_fn(logits, targets, reduction="sum") * (self.scale * self.n_microbatches)
 
 
 class _RouterLoadStage(PipelineStage):
@@ -169,8 +181,10 @@ class PipelineRunner:
     """One training or evaluation step of this rank's stages; built by `build_schedule`."""
 
     def __init__(self, schedule, stages: list[_RouterLoadStage], schedule_name: str, n_microbatches: int,
-                 pp_group, last_stage_rank: int):
+                 pp_group, last_stage_rank: int, scaled_loss: _ScaledLoss):
         self.schedule, self.stages, self.schedule_name = schedule, stages, schedule_name
+        self.scaled_loss = scaled_loss
+        self.token_scale = local_token_scale  # the default loss scale (moeflow.parallel.runner)
         self.n_microbatches, self.pp_group, self.last_stage_rank = n_microbatches, pp_group, last_stage_rank
         self.has_first_stage = any(s.is_first for s in stages)
         self.has_last_stage = any(s.is_last for s in stages)
@@ -187,31 +201,34 @@ class PipelineRunner:
                 f"so that all micro-batches have equal size (the loss is their mean)"
             )
 
-    def _run(self, run, inputs, targets) -> torch.Tensor | None:
+    def _run(self, run, inputs, targets, loss_scale, model_kwargs) -> torch.Tensor | None:
         self._check_batch(inputs)
+        self.scaled_loss.scale = self.token_scale(targets) if loss_scale is None else loss_scale
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
-        run(*args, target=target, losses=losses if self.has_last_stage else None, return_outputs=False)
+        # model_kwargs (positions, document ids) are cut into micro-batches like the inputs and reach every stage
+        run(*args, target=target, losses=losses if self.has_last_stage else None, return_outputs=False,
+            **model_kwargs)
         return torch.stack(losses).detach().mean() if self.has_last_stage else None
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Forward + backward of this rank's batch in n_microbatches; gradients accumulate in .grad
-        (scaled to the batch mean). Returns the mean loss on the rank holding the last stage, else None."""
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale=None, **model_kwargs) -> torch.Tensor | None:
+        """Forward + backward of this rank's batch in n_microbatches; gradients accumulate in .grad (of the
+        summed loss x loss_scale). Returns that scaled loss on the rank holding the last stage, else None."""
         for stage in self.stages:
             stage.reset_router_loads()
             stage.count_router_loads = True
         try:
-            return self._run(self.schedule.step, inputs, targets)
+            return self._run(self.schedule.step, inputs, targets, loss_scale, model_kwargs)
         finally:
             for stage in self.stages:
                 stage.count_router_loads = False
 
     @torch.no_grad()
-    def forward_eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Mean loss without backward (the schedule's forward-only mode); None off the last stage.
-        Use batches of the training step's shape: the stages' receive buffers are sized for it."""
-        return self._run(self.schedule.eval, inputs, targets)
+    def forward_eval(self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs) -> torch.Tensor | None:
+        """Mean loss over the trained targets without backward (the schedule's forward-only mode); None off the
+        last stage. Use batches of the training step's shape: the stages' receive buffers are sized for it."""
+        return self._run(self.schedule.eval, inputs, targets, None, model_kwargs)
 
     def broadcast_loss(self, loss: torch.Tensor | None, device: torch.device | None = None) -> torch.Tensor:
         """The last stage's loss on every rank of the pp group (a scalar tensor)."""
@@ -221,15 +238,15 @@ class PipelineRunner:
         return value
 
     # ---- the step-runner interface (moeflow.parallel.runner) --------------------------------------------
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """`step`, then the last stage's mean loss on every rank of the pp group."""
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale=None, **model_kwargs) -> torch.Tensor:
+        """`step`, then the last stage's scaled loss on every rank of the pp group."""
         with self.autocast():
-            loss = self.step(inputs, targets)
+            loss = self.step(inputs, targets, loss_scale, **model_kwargs)
         return self.broadcast_loss(loss, inputs.device)
 
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs) -> torch.Tensor:
         with self.autocast():
-            loss = self.forward_eval(inputs, targets)
+            loss = self.forward_eval(inputs, targets, **model_kwargs)
         return self.broadcast_loss(loss, inputs.device)
 
     def router_loads(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -292,7 +309,8 @@ def build_schedule(
     microbatch_shape: tuple | None = None,
 ) -> PipelineRunner:
     """Wrap this rank's stage modules (as `build_stage_modules` returned them, after any FSDP / EP
-    wrapping) in PipelineStages and the named schedule. `loss_fn` must average over the micro-batch.
+    wrapping) in PipelineStages and the named schedule. `loss_fn(logits, targets, reduction='sum')` sums over
+    the micro-batch; the runner scales it by the step's loss scale.
 
     With FSDP2, shard each block and then each stage module (its root): torch's PipelineStage
     recognises an FSDP root and reduce-scatters the gradients once per step, after the last
@@ -313,9 +331,10 @@ def build_schedule(
         for module, index in zip(stage_modules, indices)
     ]
     cls = SCHEDULE_CLASSES[name]
+    scaled_loss = _ScaledLoss(loss_fn, n_microbatches)
     if info.placement == "single":
-        schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=True)
     else:
-        schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=True)
     last_stage_rank = stage_rank(num_stages - 1, pp_size, num_stages, info.placement)
-    return PipelineRunner(schedule, stages, name, n_microbatches, pp_group, last_stage_rank)
+    return PipelineRunner(schedule, stages, name, n_microbatches, pp_group, last_stage_rank, scaled_loss)

@@ -6,8 +6,7 @@ is; nothing here re-checks it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,10 +16,10 @@ from moeflow.models.transformer import Transformer
 from moeflow.parallel.loss import tp_loss
 from moeflow.parallel.parallelize import parallelize
 from moeflow.parallel.state import ParallelState
-from moeflow.train.data import BatchSampler, load_tokens, split_tokens, val_batches
+from moeflow.train.data import BatchSampler
+from moeflow.train.data_setup import build_data
 from moeflow.train.distributed import DistInfo
 from moeflow.train.optim import build_optimizer, build_scheduler
-from moeflow.train.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -37,6 +36,7 @@ class Setup:
     batch: BatchSplit
     layout: str  # one line for the summary
     hf_bytes_read: int | None = None  # bytes of Hugging Face weights this rank read, when each read its shards
+    data_summary: dict = field(default_factory=dict)  # records, truncated conversations, ... (token cache path)
 
 
 def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch: BatchSplit,
@@ -77,22 +77,6 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
     return par, optimizer, bytes_read
 
 
-def _tokens(cfg: JobConfig):
-    d = cfg.data
-    spec = d.tokenizer
-    if spec == "auto" and cfg.model.hf_path and (Path(cfg.model.hf_path) / "tokenizer.json").is_file():
-        spec = cfg.model.hf_path  # the checkpoint's own tokenizer
-    pretokenized = d.source.endswith(".bin")  # ids already; load_tokens checks them against the vocabulary
-    tokenizer = None if pretokenized else load_tokenizer(spec, None if d.source == "stdlib" else d.source)
-    if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
-            f"set --model.vocab_size={tokenizer.vocab_size} or more"
-        )
-    return load_tokens(d.source, tokenizer, token_dtype=d.token_dtype, vocab_size=cfg.model.vocab_size,
-                       max_bytes=d.max_bytes)
-
-
 def describe_layout(cfg: JobConfig, dims: ParallelDims, par: ParallelState) -> str:
     if dims.world_size == 1:
         return "1 process"
@@ -103,18 +87,17 @@ def describe_layout(cfg: JobConfig, dims: ParallelDims, par: ParallelState) -> s
 
 
 def build(cfg: JobConfig, info: DistInfo, dims: ParallelDims, batch: BatchSplit) -> Setup:
-    t, d = cfg.training, cfg.data
+    t = cfg.training
     torch.manual_seed(t.seed)
-    train_tokens, val_tokens = split_tokens(_tokens(cfg), d.val_fraction, d.seq_len)
+    data = build_data(cfg, info.is_main)  # before the model: bad input is reported before anything large exists
     par, optimizer, bytes_read = build_model(cfg, info.device, dims, batch)
-    sampler = BatchSampler(train_tokens, d.seq_len, t.global_batch, par.dp_rank, dims.dp, t.seed)
-    val = val_batches(val_tokens, d.seq_len, t.global_batch, cfg.eval.batches)
-    if dims.pp > 1 and val and any(x.shape[0] != t.global_batch for x, _ in val):
+    sampler, val = data.sampler(cfg, par.dp_rank, dims.dp), data.val
+    if dims.pp > 1 and val and any(b.inputs.shape[0] != t.global_batch for b in val):
         # a pipeline evaluates in the training step's micro-batch shape (its receive buffers are sized for it)
-        val = [(x, y) for x, y in val if x.shape[0] == t.global_batch]
+        val = [b for b in val if b.inputs.shape[0] == t.global_batch]
         if not val and info.is_main:
             print(f"note: the validation split has fewer than training.global_batch ({t.global_batch}) windows, "
                   f"which a pipeline-parallel run cannot evaluate; raise data.val_fraction to get val_loss")
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
     return Setup(info, par.model, par, optimizer, scheduler, sampler, val, batch, describe_layout(cfg, dims, par),
-                 bytes_read)
+                 bytes_read, data.summary)

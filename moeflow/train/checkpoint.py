@@ -157,10 +157,9 @@ class CheckpointManager:
     def _agree(self, step: int, tmp: Path, error: BaseException | None) -> None:
         """Every rank raises CheckpointWriteError if any rank failed (so none waits in a collective for a peer that
         gave up); rank 0 removes the partial folder."""
-        failed = torch.tensor([float(error is not None)])
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"  # NCCL reduces device tensors only
+        failed = torch.tensor([float(error is not None)], device="cuda" if nccl else "cpu")
         if dist.is_initialized():
-            if dist.get_backend() == "nccl":
-                failed = failed.cuda()
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if not float(failed):
             return

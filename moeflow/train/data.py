@@ -2,11 +2,14 @@
 
 The stream is a 1-D numpy array of token ids. A *window* is `seq_len + 1` consecutive tokens starting at a
 multiple of `seq_len` (neighbouring windows share one token: the last target of one is the first input of the
-next). Inputs are a window's first `seq_len` tokens, targets its last `seq_len`.
+next). Inputs are a window's first `seq_len` tokens, targets its last `seq_len`. Whole documents (chat, packing)
+are the other kind of sequence the sampler draws (moeflow.train.packing); both give the sampler a count of
+sequences, a way to gather some, and how many targets a set of them trains.
 
-The sampler's position is a single count of windows consumed by all ranks together, and the order of windows
+The sampler's position is a single count of sequences consumed by all ranks together, and the order of sequences
 depends only on (seed, epoch). So a batch is a pure function of (seed, consumed, rank): resuming needs only
 that count, and the union of the ranks' batches for a step is exactly the batch a single process would see.
+Each batch also carries the number of trained targets in the whole global batch, which normalises the loss.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import sysconfig
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +27,7 @@ import torch
 from moeflow.train.tokenizer import ByteTokenizer
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
+IGNORE_INDEX = -100  # a target that is not trained (prompt, padding, across documents): cross-entropy skips it
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _SOURCES_HINT = (
     "Give 'stdlib', a text file, a folder of .txt/.md/.py files, a .jsonl file with a 'text' field, "
@@ -252,6 +257,50 @@ def split_tokens(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple
 # ----------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Batch:
+    """One rank's rows of a step. inputs / targets [B, S] (targets IGNORE_INDEX where nothing is trained);
+    positions / document_ids [B, S] only for packed documents (RoPE positions restart, attention stays inside a
+    document); global_tokens: trained targets in the whole global batch (every rank's rows)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None
+    global_tokens: int = 0
+
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        """What the model takes besides the tokens (nothing for plain causal rows)."""
+        return {k: v for k, v in (("positions", self.positions), ("document_ids", self.document_ids))
+                if v is not None}
+
+    def to(self, device) -> Batch:
+        return replace(self, **{k: getattr(self, k).to(device) for k in ("inputs", "targets", *self.model_kwargs())})
+
+    def map(self, fn) -> Batch:
+        """`fn` applied to every [B, S] tensor (e.g. ParallelState.local_sequence: a rank's part of each row)."""
+        return replace(self, **{k: fn(getattr(self, k)) for k in ("inputs", "targets", *self.model_kwargs())})
+
+    def rows(self, lo: int, hi: int) -> Batch:
+        cut = {k: getattr(self, k)[lo:hi] for k in ("inputs", "targets", *self.model_kwargs())}
+        return replace(self, **cut)
+
+
+class TokenWindows:
+    """The token stream's windows as sequences: every target is trained."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, key: str | None = None):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.num_sequences = num_windows(len(tokens), seq_len)
+        self.key = key  # the token cache's key; None for a stream read directly (its window count identifies it)
+
+    def gather(self, ids: np.ndarray) -> Batch:
+        return Batch(*_gather_windows(self.tokens, ids, self.seq_len))
+
+    def trained_tokens(self, ids: np.ndarray) -> int:
+        return len(ids) * self.seq_len
+
+
 def _gather_windows(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int) -> tuple[torch.Tensor, ...]:
     """(inputs, targets) LongTensors [len(window_ids), seq_len] for the given window indices."""
     rows = np.stack([tokens[w * seq_len : w * seq_len + seq_len + 1] for w in window_ids.tolist()])
@@ -266,14 +315,15 @@ def num_windows(num_tokens: int, seq_len: int) -> int:
 
 
 class BatchSampler:
-    """Shuffled training windows, epoch after epoch, each step's `global_batch` split across DP ranks.
+    """Shuffled training sequences, epoch after epoch, each step's `global_batch` split across DP ranks.
 
-    Epoch e visits every window once in the order `default_rng(seed + e).permutation(num_windows)`; steps
-    take `global_batch` windows at a time from the concatenation of the epochs (a step may straddle two).
-    Rank r takes the contiguous slice [r * B / dp_size, (r + 1) * B / dp_size) of its step's windows.
+    `data` is a token stream (its windows are the sequences) or a sequence source (moeflow.train.packing).
+    Epoch e visits every sequence once in the order `default_rng(seed + e).permutation(num_windows)`; steps
+    take `global_batch` sequences at a time from the concatenation of the epochs (a step may straddle two).
+    Rank r takes the contiguous slice [r * B / dp_size, (r + 1) * B / dp_size) of its step's sequences.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: int = 0,
+    def __init__(self, data, seq_len: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0):
         if seq_len < 1:
             raise ValueError(f"seq_len = {seq_len} must be at least 1.")
@@ -290,19 +340,22 @@ class BatchSampler:
                 f"Choose training.global_batch = {fits} (a multiple of {dp_size}), or change the "
                 "data-parallel size."
             )
-        self.tokens = tokens
+        self.source = TokenWindows(data, seq_len) if isinstance(data, np.ndarray) else data
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = int(seed)
         self.local_batch = global_batch // dp_size
-        self.num_windows = num_windows(len(tokens), seq_len)
+        self.num_windows = self.source.num_sequences  # (the name predates document sequences)
         if self.num_windows < 1:
-            raise ValueError(
-                f"the training data has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}. "
-                "Use a larger corpus or a shorter sequence length."
-            )
+            if isinstance(data, np.ndarray):
+                raise ValueError(
+                    f"the training data has {len(data)} tokens, fewer than seq_len + 1 = {seq_len + 1}. "
+                    "Use a larger corpus or a shorter sequence length."
+                )
+            raise ValueError("the training split holds no sequence with a trained token; add data or lower "
+                             "data.val_fraction")
         self.step = 0  # next_batch calls so far
         self.consumed = 0  # windows consumed by all ranks together: the sampler's whole position
         self._perms: dict[int, np.ndarray] = {}
@@ -329,10 +382,12 @@ class BatchSampler:
             out[mask] = self._perm(e)[offsets[mask]]
         return out
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (inputs, targets), each a LongTensor [global_batch // dp_size, seq_len]."""
+    def next_batch(self) -> Batch:
+        """This rank's rows, [global_batch // dp_size, seq_len] each, and the global batch's trained-token count
+        (computed here from the sequence ids, so it costs no communication)."""
         start = self.consumed + self.dp_rank * self.local_batch
-        batch = _gather_windows(self.tokens, self.window_ids(start, self.local_batch), self.seq_len)
+        batch = self.source.gather(self.window_ids(start, self.local_batch))
+        batch.global_tokens = self.source.trained_tokens(self.window_ids(self.consumed, self.global_batch))
         self.consumed += self.global_batch
         self.step += 1
         return batch
@@ -346,11 +401,18 @@ class BatchSampler:
             "num_windows": self.num_windows,
             "seq_len": self.seq_len,
             "global_batch": self.global_batch,
+            "data": self.source.key,
         }
 
     def load_state_dict(self, sd: dict) -> None:
         """Continue from a saved position. The seed and the data (window count, seq_len) must be unchanged;
         global_batch and the data-parallel size may change, the stream continues where it stopped."""
+        if sd.get("data") != self.source.key:  # first: it names what changed (source, tokenizer, format, packing)
+            raise ValueError(
+                f"cannot resume the data sampler: the checkpoint's data was {sd.get('data')!r} but this run's is "
+                f"{self.source.key!r} (another source, tokenizer, format or packing). Resume with the same data "
+                "settings, or start a new run directory."
+            )
         checks = (("seed", "training.seed", self.seed), ("seq_len", "the sequence length", self.seq_len),
                   ("num_windows", "the number of training windows", self.num_windows))
         for key, name, mine in checks:
@@ -364,15 +426,17 @@ class BatchSampler:
 
 
 def val_batches(
-    val_tokens: np.ndarray, seq_len: int, batch: int, max_batches: int | None = None
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Validation batches: the windows in stream order, `batch` per batch, at most `max_batches` batches.
+    val_data, seq_len: int, batch: int, max_batches: int | None = None
+) -> list[Batch]:
+    """Validation batches: the windows in stream order (or the sequences of a sequence source in order), `batch`
+    per batch, at most `max_batches` batches.
 
     No shuffling and no rank dependence, so every rank and every evaluation sees the same list. Only full
-    batches are returned (so per-batch mean losses weigh every window equally); when the set holds fewer
-    than `batch` windows, one batch of all of them. Empty validation tokens give an empty list.
+    batches are returned; when the set holds fewer than `batch` sequences, one batch of all of them. Empty
+    validation data give an empty list.
     """
-    n = num_windows(len(val_tokens), seq_len)
+    source = TokenWindows(val_data, seq_len) if isinstance(val_data, np.ndarray) else val_data
+    n = source.num_sequences
     if n == 0:
         return []
     batch = min(batch, n)
@@ -380,4 +444,8 @@ def val_batches(
     if max_batches is not None:
         count = min(count, max_batches)
     ids = np.arange(count * batch, dtype=np.int64)
-    return [_gather_windows(val_tokens, ids[i * batch : (i + 1) * batch], seq_len) for i in range(count)]
+    out = []
+    for i in range(count):
+        part = ids[i * batch : (i + 1) * batch]
+        out.append(replace(source.gather(part), global_tokens=source.trained_tokens(part)))
+    return out

@@ -212,7 +212,8 @@ class StepGuard:
         self.faults = _test_faults(info.rank)
         self._first = True
         self._t0 = 0.0
-        self._busy_sum_R = torch.zeros(info.world_size, dtype=torch.float64)
+        # host-side bookkeeping: the per-rank times arrive on the host already (summed here between reports)
+        self._busy_sum_R = torch.zeros(info.world_size, dtype=torch.float64, device="cpu")
         self._steps = 0
         self.stop_signal = ""
 

@@ -38,10 +38,12 @@ def peak_memory_mb(device: torch.device) -> float:
 class MetricsLogger:
     """Writes on rank 0 only; other ranks get a logger that does nothing."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool):
+    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool, wandb=None):
+        """wandb: a moeflow.train.run_outputs.WandbSink (rank 0), or None."""
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.tb = None
+        self.wandb = wandb if enabled else None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.file = open(self.path, "a")
@@ -55,6 +57,8 @@ class MetricsLogger:
             return
         self.file.write(json.dumps({"step": step, **values}) + "\n")
         self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, values)
         if self.tb is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -69,3 +73,5 @@ class MetricsLogger:
             self.file.close()
             if self.tb is not None:
                 self.tb.close()
+            if self.wandb is not None:
+                self.wandb.close()

@@ -11,6 +11,7 @@ from moeflow.config import JobConfig
 from moeflow.parallel.grads import clip_grad_norm_
 from moeflow.parallel.runner import router_layers
 from moeflow.train.build import Setup
+from moeflow.train.data import IGNORE_INDEX
 from moeflow.train.distributed import all_reduce_sum
 
 
@@ -50,13 +51,17 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     the gradient bytes this rank held only when `measure` (the last step, for the summary)."""
     model, par = s.model, s.par
     model.train()
-    inputs, targets = (par.local_sequence(t).to(s.info.device) for t in s.sampler.next_batch())
+    batch = s.sampler.next_batch().map(par.local_sequence).to(s.info.device)
     layers = moe_layers(cfg)
     row_of = {layer: i for i, layer in enumerate(layers)}
     E = cfg.model.moe.num_experts
     loads = torch.zeros(len(layers), E, device=s.info.device)
     dropped = torch.zeros(max(1, len(layers)), device=s.info.device)
-    loss = par.runner.train_step(inputs, targets)
+    # The global token mean: dp x cp x (this rank's summed loss) / (trained targets of the whole global batch),
+    # which the gradient average over the dp x cp ranks (FSDP's) turns into the same gradient under any layout
+    # and accumulation (cp ranks hold parts of the same sequences).
+    loss_scale = par.dims.dp * par.dims.cp / max(1, batch.global_tokens)
+    loss = par.runner.train_step(batch.inputs, batch.targets, loss_scale, **batch.model_kwargs())
     for layer, (load_E, drop) in par.runner.router_loads().items():
         loads[row_of[layer]] += load_E
         dropped[row_of[layer]] += drop
@@ -120,11 +125,14 @@ def evaluate(cfg: JobConfig, s: Setup) -> float | None:
     s.model.eval()
     dp, dp_rank = s.par.dims.dp, s.par.dp_rank
     total = torch.zeros(2, device=s.info.device)
-    for inputs, targets in s.val:
-        n = inputs.shape[0]
-        lo, hi = dp_rank * n // dp, (dp_rank + 1) * n // dp
-        x, y = (s.par.local_sequence(t[lo:hi]).to(s.info.device) for t in (inputs, targets))
-        loss_sum = s.par.runner.eval_loss(x, y) * y.numel()
-        total += torch.stack([loss_sum.float(), torch.tensor(float(y.numel()), device=s.info.device)])
+    for batch in s.val:
+        n = batch.inputs.shape[0]
+        part = batch.rows(dp_rank * n // dp, (dp_rank + 1) * n // dp)
+        # this rank's share of the rows' trained targets: under context parallelism eval_loss is scaled by the
+        # whole sequences' count x cp (moeflow.parallel.context), so this weight turns it into the local sum
+        trained = (part.targets != IGNORE_INDEX).sum().float().to(s.info.device) / s.par.dims.cp
+        part = part.map(s.par.local_sequence).to(s.info.device)
+        loss_sum = s.par.runner.eval_loss(part.inputs, part.targets, **part.model_kwargs()) * trained
+        total += torch.stack([loss_sum.float(), trained])
     total = all_reduce_sum(total)
     return float(total[0] / total[1])

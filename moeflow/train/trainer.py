@@ -79,7 +79,7 @@ def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, pr
     A stop signal on any rank ends the run after the current step with a checkpoint (raises Preempted)."""
     t, info = cfg.training, s.info
     stop = min(t.steps, t.stop_at) if t.stop_at > 0 else t.steps
-    logger = MetricsLogger(Path(cfg.run_dir), info.is_main, cfg.metrics.tensorboard)
+    logger = MetricsLogger(Path(cfg.run_dir), info.is_main, cfg.metrics.tensorboard, _wandb(cfg, info.is_main))
     tokens_per_step = t.global_batch * cfg.data.seq_len
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
     peak = peak_flops_per_device(info.device, t.dtype)
@@ -134,6 +134,16 @@ def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, pr
     return loop
 
 
+def _wandb(cfg: JobConfig, is_main: bool):
+    if not (cfg.metrics.wandb and is_main):
+        return None
+    import tomllib
+
+    from moeflow.train.run_outputs import WandbSink
+
+    return WandbSink(Path(cfg.run_dir), cfg.metrics.wandb_project, tomllib.loads(to_toml(cfg)))
+
+
 def _summary(cfg: JobConfig, s: Setup, start: int, loop: dict, resumed_from, elapsed: float) -> dict:
     stop = loop["stop"]
     ran = stop > start
@@ -149,8 +159,13 @@ def _summary(cfg: JobConfig, s: Setup, start: int, loop: dict, resumed_from, ela
         "mfu": None if loop["mfu_known"] else "unknown",
         "state_bytes_per_rank": state_bytes(s, loop["grad_bytes"]) if ran else None,
         "hf_bytes_read_rank0": s.hf_bytes_read,  # set when each rank read its own shards
+        "data": s.data_summary or None,  # records, truncated conversations, packing fill (token cache path)
     }
     if s.info.is_main:
+        from moeflow.train.run_outputs import write_loss_curve
+
+        curve = write_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        summary["loss_curve"] = str(curve) if curve else None
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -1,0 +1,52 @@
+"""What every attention variant shares: the masks (causal, per-document, after a KV cache) and the one call that
+applies them.
+
+A mask here is None (plain causal attention: scaled_dot_product_attention's `is_causal`, its fastest path) or a
+boolean tensor broadcastable to [B, H, Sq, Sk] (True = may attend). Packed sequences get a block-diagonal causal
+mask built from per-position document ids; it is a plain tensor so that context parallelism can build the same
+mask for its own query/key chunks by passing their global indices.
+
+Why a boolean mask through scaled_dot_product_attention and not flex attention's block masks: on this machine
+(CPU) flex attention has no backward and its forward runs unfused; bench/doc_attention.py measures both.
+
+Shape suffixes: B batch, H heads, Sq query positions, Sk key positions, D width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def document_causal_mask(q_doc_BSq: torch.Tensor, k_doc_BSk: torch.Tensor | None = None,
+                         q_index_Sq: torch.Tensor | None = None,
+                         k_index_Sk: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, 1, Sq, Sk] bool: a query sees a key of the same document at the same or an earlier index.
+
+    Indices default to 0..S-1 (a whole packed sequence); a context-parallel rank passes the global indices of its
+    query and key chunks (and their document ids) instead. Every query sees at least itself, so no row is empty.
+    """
+    k_doc_BSk = q_doc_BSq if k_doc_BSk is None else k_doc_BSk
+    device = q_doc_BSq.device
+    q_index_Sq = torch.arange(q_doc_BSq.shape[1], device=device) if q_index_Sq is None else q_index_Sq
+    k_index_Sk = torch.arange(k_doc_BSk.shape[1], device=device) if k_index_Sk is None else k_index_Sk
+    same_doc_BSqSk = q_doc_BSq.unsqueeze(2) == k_doc_BSk.unsqueeze(1)
+    causal_SqSk = k_index_Sk.unsqueeze(0) <= q_index_Sq.unsqueeze(1)
+    return (same_doc_BSqSk & causal_SqSk).unsqueeze(1)
+
+
+def cached_causal_mask(new: int, cached: int, device) -> torch.Tensor | None:
+    """[new, cached + new] bool for `new` queries that follow `cached` positions already in a KV cache; None when
+    nothing is cached (plain causal). One new query (decoding) sees every key."""
+    if cached == 0:
+        return None
+    q_index = torch.arange(cached, cached + new, device=device)
+    return torch.arange(cached + new, device=device).unsqueeze(0) <= q_index.unsqueeze(1)
+
+
+def attend(q_BHSqD: torch.Tensor, k_BHSkD: torch.Tensor, v_BHSkD: torch.Tensor, mask: torch.Tensor | None = None,
+           scale: float | None = None) -> torch.Tensor:
+    """scaled_dot_product_attention with `mask` (None = causal); fewer key heads than query heads is GQA."""
+    return F.scaled_dot_product_attention(
+        q_BHSqD, k_BHSkD, v_BHSkD, attn_mask=mask, is_causal=mask is None,
+        scale=scale, enable_gqa=q_BHSqD.shape[1] != k_BHSkD.shape[1])

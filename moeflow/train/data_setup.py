@@ -1,0 +1,160 @@
+"""A job's data: which path it takes, its tokenizer, the token cache, and the sampler and validation batches.
+
+Two paths:
+  token stream  'stdlib', text files and folders, .bin token files, with data.format = 'text' and no packing:
+                one stream of token ids cut into windows (moeflow.train.data), as before datasets existed here;
+  token cache   record files, hf: names, data.format = 'chat' / 'instruction', or data.packing = true: records
+                read through Hugging Face `datasets` and tokenized once into a cache (moeflow.train.token_cache);
+                'text' without packing is then a token stream again (the cache's tokens), anything else is rows
+                of whole documents (moeflow.train.packing).
+The validation split of the cache path is the last data.val_fraction of the documents (a tail, like the stream's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moeflow.config import JobConfig
+from moeflow.train.data import BatchSampler, TokenWindows, load_tokens, split_tokens, val_batches
+from moeflow.train.records import is_record_source, resolve
+from moeflow.train.token_cache import ChatEncoder, TextEncoder, is_cache_folder, open_cache, write_cache
+from moeflow.train.tokenizer import load_tokenizer
+
+
+@dataclass
+class Data:
+    train: object  # a token stream (np.ndarray) or a sequence source (TokenWindows, DocumentRows)
+    val: list
+    summary: dict = field(default_factory=dict)  # what the run's summary reports about the data
+
+    def sampler(self, cfg: JobConfig, dp_rank: int, dp_size: int) -> BatchSampler:
+        return BatchSampler(self.train, cfg.data.seq_len, cfg.training.global_batch, dp_rank, dp_size,
+                            cfg.training.seed)
+
+
+def uses_cache(cfg: JobConfig) -> bool:
+    d = cfg.data
+    if d.source.endswith(".bin") and Path(d.source).is_file():
+        return False
+    return d.format != "text" or d.packing or is_record_source(d.source) or is_cache_folder(d.source)
+
+
+def _tokenizer_spec(cfg: JobConfig) -> str:
+    spec = cfg.data.tokenizer
+    hf = cfg.model.hf_path
+    if spec == "auto" and hf and ((Path(hf) / "tokenizer.json").is_file() or cfg.data.format != "text"):
+        return hf  # the checkpoint's own tokenizer
+    return spec
+
+
+def _chat_folder(cfg: JobConfig) -> str:
+    spec = _tokenizer_spec(cfg)
+    if spec == "byte":
+        raise ValueError(f"data.format = {cfg.data.format!r} renders conversations with a Hugging Face tokenizer's "
+                         f"chat template, but data.tokenizer = 'byte'; set data.tokenizer to a tokenizer folder")
+    if spec == "auto":
+        source = Path(cfg.data.source)
+        folder = source if source.is_dir() else source.parent
+        if not any((folder / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")):
+            raise ValueError(f"data.format = {cfg.data.format!r} needs a Hugging Face tokenizer with a chat template; "
+                             f"none beside data.source = {cfg.data.source!r}: set data.tokenizer = FOLDER (a model "
+                             f"or tokenizer folder) or model.hf_path")
+        return str(folder)
+    return str(Path(spec).parent if Path(spec).is_file() else Path(spec))
+
+
+def make_encoder(cfg: JobConfig):
+    """The tokenizer of the job wrapped for the cache: text, or chat with its template."""
+    d = cfg.data
+    if d.format == "text":
+        tokenizer = load_tokenizer(_tokenizer_spec(cfg), None if d.source == "stdlib" else d.source)
+        encoder = TextEncoder(tokenizer)
+    else:
+        from moeflow.train.chat import load_chat_tokenizer
+
+        encoder = ChatEncoder(load_chat_tokenizer(_chat_folder(cfg), d.chat_template), d.format)
+    if encoder.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the tokenizer has {encoder.vocab_size} tokens but model.vocab_size is "
+                         f"{cfg.model.vocab_size}; set --model.vocab_size={encoder.vocab_size} or more")
+    return encoder
+
+
+def cache_root(cfg: JobConfig) -> Path:
+    return Path(cfg.data.cache_dir or Path(cfg.run_dir) / "data-cache")
+
+
+def prepare(cfg: JobConfig, progress: bool | None = None) -> Path:
+    """The token cache folder of the job, tokenizing first if needed (one process: the launcher or rank 0)."""
+    encoder = make_encoder(cfg)
+    if is_cache_folder(cfg.data.source):
+        open_cache(cfg.data.source, encoder.fingerprint)  # refuses one written by another tokenizer
+        return Path(cfg.data.source)
+    return write_cache(resolve(cfg.data.source), encoder, cache_root(cfg), max_bytes=cfg.data.max_bytes,
+                       progress=progress)
+
+
+def _prepare_on_rank0(cfg: JobConfig, is_main: bool) -> tuple[Path, str]:
+    """(cache folder, tokenizer fingerprint) on every rank: rank 0 prepares, the others receive its folder or
+    its error (so a bad record stops every rank with the same line instead of leaving them in a barrier)."""
+    from moeflow.train.distributed import broadcast_object
+
+    folder, error = None, None
+    if is_main:
+        try:
+            folder = str(prepare(cfg))
+        except ValueError as e:
+            error = str(e)
+    folder, error = broadcast_object((folder, error))
+    if error is not None:
+        raise ValueError(error)
+    return Path(folder), make_encoder(cfg).fingerprint
+
+
+def build_data(cfg: JobConfig, is_main: bool = True) -> Data:
+    """The job's training sequences, validation batches and data summary (every rank the same)."""
+    d, t = cfg.data, cfg.training
+    if not uses_cache(cfg):
+        tokens = _stream_tokens(cfg)
+        train, val = split_tokens(tokens, d.val_fraction, d.seq_len)
+        return Data(train, val_batches(val, d.seq_len, t.global_batch, cfg.eval.batches))
+    folder, fingerprint = _prepare_on_rank0(cfg, is_main)
+    cache = open_cache(folder, fingerprint, "the token cache")
+    if cache.meta["max_token_id"] >= cfg.model.vocab_size:
+        raise ValueError(f"the token cache {folder} holds token id {cache.meta['max_token_id']} but model.vocab_size "
+                         f"is {cfg.model.vocab_size}; raise model.vocab_size")
+    summary = {"format": d.format, "packing": d.packing, "cache": str(folder), "records": cache.num_documents,
+               "tokens": int(cache.meta["tokens"]), "trained_tokens": int(cache.meta["trained_tokens"])}
+    if d.format == "text" and not d.packing:  # a token stream, as from a text file, but tokenized once
+        train, val = split_tokens(cache.tokens, d.val_fraction, d.seq_len)
+        return Data(TokenWindows(train, d.seq_len, key=cache.key),
+                    val_batches(val, d.seq_len, t.global_batch, cfg.eval.batches), summary)
+    from moeflow.train.packing import DocumentRows
+
+    n = cache.num_documents
+    n_val = max(1, int(n * d.val_fraction)) if n >= 2 else 0
+    docs = np.arange(n)
+    rows = dict(packed=d.packing, overlong=d.overlong, seed=t.seed, what=f"data.source = {d.source!r}")
+    train = DocumentRows(cache, docs[:n - n_val], d.seq_len, **rows)
+    val = DocumentRows(cache, docs[n - n_val:], d.seq_len, **rows)
+    summary.update({k: v for k, v in train.stats.items()},
+                   truncated=train.stats["truncated"] + val.stats["truncated"],
+                   dropped=train.stats["dropped"] + val.stats["dropped"])
+    return Data(train, val_batches(val, d.seq_len, t.global_batch, cfg.eval.batches), summary)
+
+
+def _stream_tokens(cfg: JobConfig) -> np.ndarray:
+    d = cfg.data
+    pretokenized = d.source.endswith(".bin")  # ids already; load_tokens checks them against the vocabulary
+    tokenizer = None
+    if not pretokenized:
+        tokenizer = load_tokenizer(_tokenizer_spec(cfg), None if d.source == "stdlib" else d.source)
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
+                f"set --model.vocab_size={tokenizer.vocab_size} or more"
+            )
+    return load_tokens(d.source, tokenizer, token_dtype=d.token_dtype, vocab_size=cfg.model.vocab_size,
+                       max_bytes=d.max_bytes)

@@ -1,0 +1,240 @@
+"""Tokenize a record source once, into a cache folder that every later run and every rank memory-maps.
+
+A cache folder (under data.cache_dir, default RUN_DIR/data-cache) is named by a key hashed from the source's
+files (sizes and modification times), the tokenizer (its serialised form and chat template) and the settings
+that change the tokens (data.format). It holds:
+
+  tokens.bin       uint32, all documents back to back
+  trained.bin      uint8 per token, 1 = trained when it is a target (chat / instruction formats only)
+  offsets.bin      int64 [documents + 1], where each document starts in tokens.bin
+  doc_trained.bin  int64 [documents], each document's trained targets (its tokens after the first)
+  meta.json        the key, the source (files, records per file), the tokenizer, counts
+
+Rank 0 (or the launcher, before any rank starts) writes it into a temporary folder and renames it, so a folder
+that exists is complete; the others wait and open it. Document i is record i of the source (1:1), so a record
+can still be located by file and line when a later step refuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moeflow.train.chat import RecordError, check_messages, encode_chat, instruction_to_messages
+from moeflow.train.records import RecordSource, load
+
+CACHE_VERSION = 1
+META = "meta.json"
+FORMATS = ("text", "chat", "instruction")
+_BATCH = 512  # records per tokenizer call
+
+
+# ---- encoders: records -> (ids, trained mask or None) ---------------------------------------------------------
+
+
+class TextEncoder:
+    """The 'text' field of each record, then the tokenizer's end-of-document id (when it has one)."""
+
+    format = "text"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.name = getattr(tokenizer, "name", type(tokenizer).__name__)
+        inner = getattr(tokenizer, "_tok", None)  # moeflow.train.tokenizer.HFTokenizer wraps a tokenizers.Tokenizer
+        serialised = inner.to_str() if inner is not None else self.name
+        self.fingerprint = hashlib.sha256(serialised.encode()).hexdigest()[:16]
+        self.vocab_size = tokenizer.vocab_size
+        self.columns = ("text",)
+
+    def encode(self, batch: dict, first: int) -> list[tuple[list[int], None]]:
+        texts = batch["text"]
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise _at(first + i, RecordError("has no string 'text' field; give every record a 'text' string "
+                                                 "(or choose data.format = 'chat' / 'instruction')"))
+        eos = self.tokenizer.eos_id
+        encoded = self.tokenizer.encode_batch(texts)
+        return [(list(ids) + ([eos] if eos is not None else []), None) for ids in encoded]
+
+
+class ChatEncoder:
+    """A 'messages' list (format 'chat') or instruction/input/output fields (format 'instruction') rendered with
+    the tokenizer's chat template; only assistant tokens are trained."""
+
+    def __init__(self, tokenizer, fmt: str, template_source: str = ""):
+        self.tokenizer, self.format = tokenizer, fmt
+        self.name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        serialised = tokenizer.backend_tokenizer.to_str() + "\n" + tokenizer.chat_template
+        self.fingerprint = hashlib.sha256(serialised.encode()).hexdigest()[:16]
+        self.vocab_size = len(tokenizer)
+        self.columns = ("messages",) if fmt == "chat" else ("instruction", "output")
+
+    def encode(self, batch: dict, first: int) -> list[tuple[list[int], list[int]]]:
+        n = len(next(iter(batch.values())))
+        out = []
+        for i in range(n):
+            try:
+                if self.format == "chat":
+                    messages = check_messages(batch["messages"][i])
+                else:
+                    messages = instruction_to_messages({k: v[i] for k, v in batch.items()})
+                out.append(encode_chat(self.tokenizer, messages))
+            except RecordError as e:
+                raise _at(first + i, e) from None
+        return out
+
+
+class _Located(ValueError):
+    def __init__(self, index: int, what: str):
+        super().__init__(what)
+        self.index, self.what = index, what
+
+
+def _at(index: int, error: RecordError) -> _Located:
+    return _Located(index, str(error))
+
+
+# ---- the cache --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenCache:
+    folder: Path
+    meta: dict
+    tokens: np.ndarray  # uint32 memmap
+    trained: np.ndarray | None  # uint8 memmap, None = every token trained
+    offsets: np.ndarray  # int64 [documents + 1]
+    doc_trained: np.ndarray  # int64 [documents]
+
+    @property
+    def key(self) -> str:
+        return self.meta["key"]
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.offsets) - 1
+
+    def locate(self, doc: int) -> str:
+        from moeflow.train.records import locate
+
+        return locate(self.meta["source"], doc)
+
+
+def cache_key(src: RecordSource, encoder, max_bytes: int) -> str:
+    settings = {"version": CACHE_VERSION, "source": src.fingerprint(), "tokenizer": encoder.fingerprint,
+                "format": encoder.format, "max_bytes": max_bytes if src.spec == "stdlib" else None}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    stem = Path(src.hub_name or src.spec).stem.replace("/", "_")[:40] or "data"
+    return f"{stem}-{encoder.format}-{digest}"
+
+
+def is_cache_folder(path: str) -> bool:
+    return Path(path, META).is_file() and Path(path, "tokens.bin").is_file()
+
+
+def write_cache(src: RecordSource, encoder, root: Path, *, max_bytes: int = 4_000_000,
+                progress: bool | None = None) -> Path:
+    """The cache folder for (src, encoder), tokenizing the records first if it does not exist yet."""
+    key = cache_key(src, encoder, max_bytes)
+    folder = Path(root) / key
+    if (folder / META).is_file():
+        return folder
+    tmp = Path(root) / f".{key}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        meta = _tokenize(src, encoder, tmp, key, max_bytes, progress)
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(tmp / "hf", ignore_errors=True)  # datasets' Arrow copies of the local files
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process finished the same cache first; theirs is as good
+            if not (folder / META).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, progress) -> dict:
+    from tqdm import tqdm
+
+    ds = load(src, out, max_bytes)
+    spec = src.spec
+    if len(ds) == 0:
+        raise ValueError(f"data.source = {spec!r} holds no records; point it at a non-empty dataset")
+    missing = [c for c in encoder.columns if c not in ds.column_names]
+    if missing:
+        hint = {"text": "data.format = 'text' reads 'text'", "chat": "data.format = 'chat' reads 'messages'",
+                "instruction": "data.format = 'instruction' reads 'instruction', 'input' and 'output'"}
+        other = next((f for f, cols in (("chat", ["messages"]), ("instruction", ["instruction", "output"]),
+                                        ("text", ["text"])) if all(c in ds.column_names for c in cols)), None)
+        fix = f"set data.format = '{other}'" if other else "rename the field in the data"
+        raise ValueError(f"data.source = {spec!r}: {src.locate(0)} has no {missing[0]!r} field (the records have "
+                         f"{ds.column_names}); {hint[encoder.format]}: {fix}")
+    wanted = [c for c in ds.column_names if c in (*encoder.columns, "input", "system")]
+    counts = {"documents": 0, "tokens": 0, "trained": 0, "max_id": 0}
+    offsets, doc_trained = [0], []
+    with_mask = encoder.format != "text"
+    with open(out / "tokens.bin", "wb") as f_tok, open(out / "trained.bin", "wb") as f_mask, \
+            tqdm(total=len(ds), desc=f"tokenizing {Path(spec).name or spec}", unit="rec", dynamic_ncols=True,
+                 disable=None if progress is None else not progress, mininterval=0.5) as bar:
+        first = 0
+        for batch in ds.select_columns(wanted).iter(batch_size=_BATCH):
+            try:
+                docs = encoder.encode(batch, first)
+            except _Located as e:
+                raise ValueError(f"data.source = {spec!r}: {src.locate(e.index)} {e.what}") from None
+            for ids, mask in docs:
+                ids_np = np.asarray(ids, dtype=np.uint32)
+                f_tok.write(ids_np.tobytes())
+                if with_mask:
+                    mask_np = np.asarray(mask, dtype=np.uint8)
+                    f_mask.write(mask_np.tobytes())
+                    trained = int(mask_np[1:].sum())
+                else:
+                    trained = max(0, len(ids) - 1)
+                offsets.append(offsets[-1] + len(ids))
+                doc_trained.append(trained)
+                if len(ids):
+                    counts["max_id"] = max(counts["max_id"], int(ids_np.max()))
+            first += len(docs)
+            bar.update(len(docs))
+    if offsets[-1] == 0 or sum(doc_trained) == 0:
+        what = "no tokens" if offsets[-1] == 0 else "no trained token (no assistant turn with content)"
+        raise ValueError(f"data.source = {spec!r}: its {len(ds)} records give {what}; check the data and "
+                         f"data.format = {encoder.format!r}")
+    if not with_mask:
+        (out / "trained.bin").unlink()
+    np.asarray(offsets, dtype=np.int64).tofile(out / "offsets.bin")
+    np.asarray(doc_trained, dtype=np.int64).tofile(out / "doc_trained.bin")
+    return {"version": CACHE_VERSION, "key": key, "source": src.describe(), "format": encoder.format,
+            "tokenizer": {"name": encoder.name, "fingerprint": encoder.fingerprint,
+                          "vocab_size": encoder.vocab_size},
+            "documents": len(offsets) - 1, "tokens": offsets[-1], "trained_tokens": int(sum(doc_trained)),
+            "max_token_id": counts["max_id"]}
+
+
+def open_cache(folder: str | Path, tokenizer_fingerprint: str | None = None, what: str = "") -> TokenCache:
+    """Memory-map a cache folder. With `tokenizer_fingerprint`, refuse one written by another tokenizer."""
+    folder = Path(folder)
+    meta = json.loads((folder / META).read_text())
+    if meta.get("version") != CACHE_VERSION:
+        raise ValueError(f"{folder}: token cache version {meta.get('version')} (this moeflow writes "
+                         f"{CACHE_VERSION}); delete the folder so it is rebuilt")
+    if tokenizer_fingerprint is not None and meta["tokenizer"]["fingerprint"] != tokenizer_fingerprint:
+        raise ValueError(f"{what or 'data.source'} = {str(folder)!r}: this token cache was written by the tokenizer "
+                         f"{meta['tokenizer']['name']!r} (fingerprint {meta['tokenizer']['fingerprint']}), not the "
+                         f"one this run uses (fingerprint {tokenizer_fingerprint}); point data.source at the "
+                         f"original records so they are tokenized again, or use the tokenizer it was written with")
+    tokens = np.memmap(folder / "tokens.bin", dtype=np.uint32, mode="r")
+    trained = np.memmap(folder / "trained.bin", dtype=np.uint8, mode="r") if (folder / "trained.bin").exists() else None
+    offsets = np.fromfile(folder / "offsets.bin", dtype=np.int64)
+    doc_trained = np.fromfile(folder / "doc_trained.bin", dtype=np.int64)
+    return TokenCache(folder, meta, tokens, trained, offsets, doc_trained)
