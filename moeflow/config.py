@@ -74,6 +74,11 @@ class TrainingConfig:
     """'none', 'full' (recompute every block), or 'every-N' (every N-th block)."""
     compile: bool = False
     """torch.compile each transformer block (the first steps are slower while it compiles)."""
+    fp8: str = "none"
+    """FP8 matmuls through torchao: 'none', 'tensorwise', 'rowwise' or 'mxfp8'. Dense and attention Linear layers
+    and the routed experts compute in FP8; router, output head, embeddings and norms stay high precision, and so do
+    weights, optimizer state and checkpoints. Needs an FP8 GPU; a CPU emulates (tests; refused for an MoE model
+    with tensorwise/rowwise, whose FP8 grouped GEMM has no emulation). See moeflow/parallel/fp8.py."""
     on_nonfinite: str = "stop"
     """What a NaN/Inf loss does: 'stop' (error naming the step) or 'skip' (drop that step's update)."""
     device: str = "auto"
@@ -151,6 +156,9 @@ class JobConfig:
         check_choice("training.dtype", t.dtype, ("fp32", "bf16"))
         check_choice("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
         check_choice("training.device", t.device, ("auto", "cpu", "cuda"))
+        check_choice("training.fp8", t.fp8, ("none", "tensorwise", "rowwise", "mxfp8"))
+        if t.fp8 != "none":
+            self._validate_fp8()
         ac = t.activation_checkpointing
         if ac not in ("none", "full") and not (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0):
             raise ValueError(
@@ -168,6 +176,22 @@ class JobConfig:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
         check_choice("data.token_dtype", self.data.token_dtype, ("uint16", "uint32"))
         return self
+
+    def _validate_fp8(self) -> None:
+        t, m = self.training, self.model
+        if self.parallel.tp > 1:
+            raise ValueError(f"training.fp8 = {t.fp8!r} with parallel.tp = {self.parallel.tp} is not supported yet "
+                             f"(FP8 Linear layers need torchao's float8 tensor-parallel styles); use tp = 1")
+        multiple = 32 if t.fp8 == "mxfp8" else 16
+        if self.data.seq_len % multiple:
+            raise ValueError(f"training.fp8 = {t.fp8!r} reduces over a micro-batch's tokens in blocks of {multiple}; "
+                             f"data.seq_len ({self.data.seq_len}) must be a multiple of {multiple}")
+        if t.compile and t.fp8 == "mxfp8":
+            raise ValueError("training.fp8 = 'mxfp8' with training.compile = true: inductor fails on torchao 0.18's "
+                             "MXFP8 grouped experts; turn one of them off")
+        if t.fp8 == "mxfp8" and m.is_moe and (m.dim % 32 or m.moe.ffn_dim % 32):
+            raise ValueError(f"training.fp8 = 'mxfp8' scales blocks of 32 along each expert matmul's inner width: "
+                             f"model.dim ({m.dim}) and model.moe.ffn_dim ({m.moe.ffn_dim}) must be multiples of 32")
 
     def layout(self, world_size: int) -> tuple[ParallelDims, BatchSplit]:
         """The run's parallel sizes and batch split on `world_size` ranks, every rule checked (the one place a

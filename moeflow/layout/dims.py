@@ -102,8 +102,15 @@ class ParallelDims:
                     f"parallel.ep ({self.ep}) must divide model.moe.num_experts ({cfg.moe.num_experts}); "
                     f"choose ep in {divisors(cfg.moe.num_experts)}"
                 )
+            if cfg.moe.pad_to_capacity:
+                raise ValueError(f"model.moe.pad_to_capacity with parallel.ep = {self.ep} is not supported yet (it "
+                                 f"pads one process's experts); turn it off, or use ep = 1")
         if self.tp > 1:
             self._check_tp_widths(cfg)
+            if cfg.mtp_depth:
+                raise ValueError(f"model.mtp_depth = {cfg.mtp_depth} with parallel.tp = {self.tp} is not supported yet "
+                                 f"(the MTP blocks have no tensor-parallel plan); use tp = 1 with data, expert and "
+                                 f"pipeline parallelism")
         if self.pp > 1:
             stages = self.pp * default_stages_per_rank(self.pp_schedule)
             if self.pp > cfg.n_layers:

@@ -3,7 +3,9 @@
 Order (each step sees the modules the previous one left): build the mesh (pp, dp_replicate, efsdp, ep, tp)
 -> pipeline split (this rank keeps its stages' layers; parameter names stay those of the full model) ->
 expert parallelism (each MoE keeps E/ep experts and swaps its dispatcher for a token mover) -> tensor +
-sequence parallelism by a plan that is data (moeflow.parallel.tensor) -> activation checkpointing ->
+sequence parallelism by a plan that is data (moeflow.parallel.tensor) -> FP8 compute (moeflow.parallel.fp8:
+after EP, so only this rank's experts are wrapped, and before FSDP, which shards the wrapped weights) ->
+activation checkpointing ->
 torch.compile per block -> FSDP2: experts over what remains of the data-parallel ranks, then every block,
 then each stage root -> the step runner (a pipeline schedule, or plain micro-batches). At world size 1
 nothing is wrapped. The same order as TorchTitan's parallelize functions, for the same reasons: TP must see
@@ -26,8 +28,9 @@ from torch import nn
 from moeflow.layout import ParallelDims
 from moeflow.models.moe import GroupedExperts, MoE
 from moeflow.parallel.checkpointing import apply_activation_checkpointing
+from moeflow.parallel.fp8 import apply_fp8
 from moeflow.parallel.loss import tp_loss
-from moeflow.parallel.runner import LocalRunner
+from moeflow.parallel.runner import LocalRunner, MTPObjective
 from moeflow.parallel.state import ParallelState
 
 
@@ -53,6 +56,7 @@ def parallelize(
     pp_microbatch_shape: tuple | None = None,
     compile: bool = False,
     device_type: str | None = None,
+    fp8: str = "none",
 ) -> ParallelState:
     """Parallelize `model` (a moeflow Transformer, or a Hugging Face decoder) in place over the default process
     group; returns its ParallelState.
@@ -64,7 +68,9 @@ def parallelize(
     microbatches: forwards per step (pipeline micro-batches, or gradient accumulation). tp_plan: {module-name
     pattern: ParallelStyle}, default moeflow.parallel.tensor.tp_plan(model). pp_boundaries: the first layer of
     each stage (default: an even split). pp_microbatch_shape: (rows, seq, logits dtype) of one micro-batch, to
-    skip torch's shape inference. loss_fn(logits, targets) -> mean loss (default: moeflow.parallel.loss.tp_loss).
+    skip torch's shape inference. loss_fn(logits, targets) -> mean loss (default: moeflow.parallel.loss.tp_loss;
+    with model.mtp_depth > 0 wrapped to add the MTP loss). fp8: 'none', 'tensorwise', 'rowwise' or 'mxfp8'
+    (moeflow.parallel.fp8).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     if dims is None:
@@ -76,6 +82,9 @@ def parallelize(
         raise ValueError(f"ParallelDims is for {dims.world_size} ranks but the process group has {world}")
     _check_model_object(model, dims)
     loss_fn = loss_fn or tp_loss
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and cfg.mtp_depth:
+        loss_fn = MTPObjective(loss_fn, cfg.mtp_depth, cfg.mtp_loss_coef)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     autocast = (functools.partial(torch.autocast, device_type, dtype=autocast_dtype) if autocast_dtype
                 else contextlib.nullcontext)
@@ -85,9 +94,11 @@ def parallelize(
         # averages gradients with moeflow.parallel.grads.all_reduce_gradients and the optimizer
         # (ZeroRedundancyOptimizer) keeps 1/dp of the state on each rank. ParallelDims allows it with pure
         # data parallelism only.
+        apply_fp8(model, fp8, device_type)
         apply_activation_checkpointing(blocks(model), activation_checkpointing)
         _compile_blocks(model, compile)
-        state.runner = LocalRunner(model, loss_fn, microbatches, autocast)
+        state.runner = LocalRunner(model, loss_fn, microbatches, autocast, count_first=compile,
+                                   balance_group=dist.group.WORLD if world > 1 else None)
         if world > 1:
             from moeflow.parallel.mesh import build_mesh
 
@@ -114,9 +125,12 @@ def parallelize(
         state.tp_mesh = submesh(mesh, "tp")
         for stage in stages:
             apply_tensor_parallel(stage, state.tp_mesh, plan=tp_plan)
+    apply_fp8(model, fp8, device_type)
     apply_activation_checkpointing(blocks(model), activation_checkpointing)
     _compile_blocks(model, compile)
     apply_fsdp(blocks(model), stages, dims, mesh, mixed_precision, device_type)
+    # the global-batch balance loss sums expert loads over the ranks that see different data (of this stage)
+    balance_group = submesh(mesh, "dp").get_group() if dims.dp > 1 else None
     if dims.pp > 1:
         from moeflow.parallel.pipeline import build_schedule
 
@@ -124,10 +138,12 @@ def parallelize(
                                                                                        torch.cuda.current_device())
         state.runner = build_schedule(stages, submesh(mesh, "pp").get_local_rank(), dims.pp,
                                       submesh(mesh, "pp").get_group(), device, dims.pp_schedule, microbatches,
-                                      loss_fn=loss_fn, microbatch_shape=pp_microbatch_shape if dims.tp == 1 else None)
+                                      loss_fn=loss_fn, microbatch_shape=pp_microbatch_shape if dims.tp == 1 else None,
+                                      balance_group=balance_group)
         state.runner.autocast = autocast
     else:
-        state.runner = LocalRunner(model, loss_fn, microbatches, autocast)
+        state.runner = LocalRunner(model, loss_fn, microbatches, autocast, balance_group=balance_group,
+                                   count_first=compile)
     return state
 
 
@@ -149,11 +165,12 @@ def _check_model_object(model: nn.Module, dims: ParallelDims) -> None:
 
 
 def blocks(model: nn.Module) -> dict[str, nn.Module]:
-    """{layer key: transformer block}: moeflow's `layers` ModuleDict, or a Hugging Face model's
-    `model.layers` ModuleList (the decoder layers FSDP wraps one by one)."""
+    """{layer key: transformer block}: moeflow's `layers` ModuleDict (and its MTP modules, keyed 'mtp.<k>'), or
+    a Hugging Face model's `model.layers` ModuleList (the decoder layers FSDP wraps one by one)."""
     layers = getattr(model, "layers", None)
     if isinstance(layers, nn.ModuleDict):
-        return dict(layers.items())
+        mtp = getattr(model, "mtp", None) or {}
+        return {**dict(layers.items()), **{f"mtp.{k}": module for k, module in mtp.items()}}
     inner = getattr(model, "model", None)
     if isinstance(getattr(inner, "layers", None), nn.ModuleList):
         return {str(i): block for i, block in enumerate(inner.layers)}

@@ -19,9 +19,10 @@ class NonFiniteLossError(RuntimeError):
 
 
 def moe_layers(cfg: JobConfig) -> list[int]:
-    """Global indices of the MoE layers: router statistics are packed by these on every rank, so the
-    one all-reduce has the same size whichever layers (pipeline stage) a rank holds."""
-    return [i for i in range(cfg.model.n_layers) if cfg.model.is_moe_layer(i)]
+    """Global indices of the MoE layers (MTP blocks after the decoder layers): router statistics are packed by
+    these on every rank, so the one all-reduce has the same size whichever layers (pipeline stage) a rank holds."""
+    m = cfg.model
+    return [i for i in range(m.n_layers + m.mtp_depth) if m.is_moe_layer(i)]
 
 
 def _local_bytes(tensors) -> int:
@@ -58,6 +59,7 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     loads = torch.zeros(len(layers), E, device=s.info.device)
     dropped = torch.zeros(max(1, len(layers)), device=s.info.device)
     loss = par.runner.train_step(inputs, targets)
+    extra = par.runner.extra_losses()  # {"mtp_loss": ...}: like the loss, the same on every rank
     for layer, (load_E, drop) in par.runner.router_loads().items():
         loads[row_of[layer]] += load_E
         dropped[row_of[layer]] += drop
@@ -66,7 +68,8 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     grad_norm = clip_grad_norm_(model, clip, par)
     # One all-reduce for everything logged; its .tolist() is the step's one host sync, needed anyway
     # for the non-finite check (every rank must take the same decision) and the progress bar.
-    packed = all_reduce_sum(torch.cat([loss.view(1), dropped, loads.flatten()]))
+    packed = all_reduce_sum(torch.cat([loss.view(1), dropped, loads.flatten(),
+                                       *(v.float().view(1).to(loss.device) for v in extra.values())]))
     # Every tp rank routes all of its dp rank's tokens, and every rank holds the loss: divide the copies out.
     tp = par.dims.tp
     numbers = packed.tolist()
@@ -86,8 +89,9 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     s.optimizer.zero_grad(set_to_none=True)
     s.scheduler.step()
     out = {"loss": loss_value, "lr": lr, "grad_norm": gn, "skipped": not finite, "grad_bytes": grad_bytes}
+    out["losses"] = {k: v / s.info.world_size for k, v in zip(extra, numbers[len(numbers) - len(extra):])}
     if layers:
-        global_loads = packed[1 + len(dropped):].view(len(layers), E) / tp
+        global_loads = packed[1 + len(dropped):1 + len(dropped) + len(layers) * E].view(len(layers), E) / tp
         routers = router_layers([model])
         for layer, r in routers.items():
             r.update_bias(global_loads[row_of[layer]])
@@ -98,9 +102,10 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
 
 
 def _moe_stats(cfg: JobConfig, routers, layers, loads_LE, dropped) -> dict:
-    assignments = cfg.training.global_batch * cfg.data.seq_len * cfg.model.moe.top_k
     stats = {}
     for layer, load_E, drop in zip(layers, loads_LE, dropped):
+        depth = max(0, layer - cfg.model.n_layers + 1)  # MTP depth k routes the S - k positions it predicts from
+        assignments = cfg.training.global_batch * (cfg.data.seq_len - depth) * cfg.model.moe.top_k
         stats[str(layer)] = {
             "tokens_per_expert": [int(x) for x in load_E.tolist()],
             "max_over_mean": float(load_E.max() / load_E.mean().clamp(min=1e-9)),
