@@ -186,6 +186,10 @@ class JobConfig:
         if self.data.seq_len % multiple:
             raise ValueError(f"training.fp8 = {t.fp8!r} reduces over a micro-batch's tokens in blocks of {multiple}; "
                              f"data.seq_len ({self.data.seq_len}) must be a multiple of {multiple}")
+        if t.fp8 == "mxfp8" and t.dtype == "bf16":
+            raise ValueError("training.fp8 = 'mxfp8' with training.dtype = 'bf16': torchao 0.18's MXFP8 ops do not run "
+                             "under autocast (its matmuls meet bf16 and fp32 operands); use training.dtype = 'fp32' "
+                             "(the MXFP8 matmuls replace the bf16 ones, the rest stays fp32)")
         if t.compile and t.fp8 == "mxfp8":
             raise ValueError("training.fp8 = 'mxfp8' with training.compile = true: inductor fails on torchao 0.18's "
                              "MXFP8 grouped experts; turn one of them off")

@@ -241,3 +241,20 @@ def test_calibrate_smoke():
 
     gpu = calibrate(2)
     assert gpu.bf16_tflops > 0 and gpu.intra_gbps > 0 and gpu.half_tokens >= 1
+
+
+def test_fp8_times_exactly_what_training_converts():
+    """--precision fp8 runs at the fp8 peak (2x bf16 on an H100) only the matmuls training.fp8 converts: for
+    llama3-8b (D 4096, 32 layers, 32 heads of 128, 8 kv heads, FFN 14336, vocab 128256, seq 4096), by hand:
+    attention 2*4096*4096 + 2*4096*1024 and SwiGLU 3*4096*14336 per layer in FP8; the head 4096*128256 and the
+    attention scores 6*32*4096*(4096+4096)/2 per token in bf16."""
+    D, L, F, V, S = 4096, 32, 14336, 128256, 4096
+    fp8 = 6 * L * (2 * D * D + 2 * D * 1024 + 3 * D * F)
+    bf16 = 6 * (V * D + 2 * L * D) + 6 * L * S * (D + D) / 2  # head and the norms' weights; attention scores
+    job = lambda precision: job_for(get_preset("llama3-8b"), seq=S, batch=S * 64, precision=precision)  # noqa: E731
+    layout = lay(dp_shard=8, zero=3, ac="none")
+    ratio = step_time(job("fp8"), layout)["compute_s"] / step_time(job("bf16"), layout)["compute_s"]
+    assert ratio == pytest.approx((bf16 + fp8 / 2) / (bf16 + fp8), rel=2e-3)
+    with pytest.raises(ValueError, match="no MXFP8 tensor cores"):
+        job("mxfp8").validate()
+    assert step_time(job_for(get_preset("llama3-8b"), "B200", precision="mxfp8"), layout)["compute_s"] > 0

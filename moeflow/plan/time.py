@@ -4,6 +4,9 @@
   flops_per_token) at peak * efficiency, efficiency falling for small matmuls (GPU.efficiency *
   n / (n + GPU.half_tokens), an assumption), n = tokens per GPU per micro-batch, or for routed experts
   the tokens one expert receives, T * ep * K / E (the reason EP pays off: bigger grouped GEMMs).
+  --precision fp8 / mxfp8 runs at the fp8 peak exactly what training.fp8 converts (moeflow.parallel.fp8:
+  routed experts, attention projections, dense FFNs, shared experts) and the rest at the bf16 peak (routers,
+  output head, attention scores, MTP modules' dense layers).
   Recomputation adds FLOPs: selective redoes the attention core forward, full redoes the whole forward
   (+1/3 of 6N; Korthikanti et al. 2022 sec. 5).
 - Communication: alpha-beta per link class (Hockney 1994). Ring all-reduce moves 2(n-1)/n of the buffer
@@ -53,6 +56,7 @@ def step_time(job: Job, lay: Layout) -> dict[str, float]:
     m = lay.num_micro_batches(job)
     s, b, t = job.seq_len, lay.micro_batch, lay.tp
     peak = gpu.peak_flops(job.precision)
+    peak_bf16 = gpu.peak_flops("bf16")
     tokens_mb = s * b  # tokens of one micro-batch of one data-parallel replica
 
     # ---- compute ------------------------------------------------------------------------
@@ -66,8 +70,9 @@ def step_time(job: Job, lay: Layout) -> dict[str, float]:
     # an expert sees the tokens of all ep ranks that picked it: T * ep * K / E rows on average
     n_expert = n_per_gpu * lay.ep * cfg.moe.top_k / cfg.moe.num_experts if cfg.is_moe else n_per_gpu
     recompute = (fpt + extra) / fpt  # recomputation scales every matmul alike (close enough)
+    fp8_dense = st.fp8_dense_flops_per_token if job.precision != "bf16" else 0.0
     t_compute = tokens_mb / (t * lay.pp) * recompute * (
-        (fpt - routed) / (peak * eff) + routed / (peak * eff_at(n_expert)))
+        (fpt - routed - fp8_dense) / (peak_bf16 * eff) + fp8_dense / (peak * eff) + routed / (peak * eff_at(n_expert)))
 
     stages = stage_layers(cfg.n_layers, lay.pp)
     layers_per_stage = max(len(r) for r in stages)
@@ -83,7 +88,7 @@ def step_time(job: Job, lay: Layout) -> dict[str, float]:
     if cfg.is_moe and lay.ep > 1:
         rpn = max(1, min(lay.ep, job.gpus_per_node // t))
         _, c_intra, c_inter = _ep_copies(cfg.moe.num_experts, cfg.moe.top_k, lay.ep, rpn)
-        d_row, c_row = row_bytes(cfg.dim, cfg.moe.top_k, "fp8" if job.precision == "fp8" else "bf16")
+        d_row, c_row = row_bytes(cfg.dim, cfg.moe.top_k, "bf16")  # training.fp8 converts matmuls, not the EP wire
         tok = tokens_mb / t
         per_layer = sum(links.time(tok * c_intra * row, tok * c_inter * row) for row in (d_row, c_row))
         t_ep = 2 * moe_per_stage * per_layer
