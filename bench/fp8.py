@@ -3,6 +3,7 @@ initial weights, one process.
 
     .venv/bin/python bench/fp8.py              # tiny-moe and tiny-dense, 50 steps each recipe
     .venv/bin/python bench/fp8.py --steps 10   # a smoke run
+    .venv/bin/python bench/fp8.py --max-rel 0.03   # exit status 1 if an FP8 run strays > 3% from bf16 (GPU smoke)
 
 Runs (each from the same seed): tiny-moe in bf16 (autocast, the baseline), in fp32, and in MXFP8 (dense, attention
 and expert matmuls, the rest fp32: torchao 0.18's MXFP8 ops refuse autocast; its emulation on a CPU); tiny-dense in
@@ -44,6 +45,18 @@ RUNS = {  # name: (model, baseline name, fp8 recipe, training.dtype)
 }
 
 
+def runs_here() -> dict:
+    """On a GPU the MoE model takes the FP8 recipes (grouped experts need sm90), and MXFP8 only on Blackwell."""
+    if not torch.cuda.is_available():
+        return RUNS
+    runs = {k: v for k, v in RUNS.items() if k != "tiny-moe mxfp8"}
+    runs["tiny-moe tensorwise"] = ("tiny-moe", "tiny-moe bf16", "tensorwise", "bf16")
+    runs["tiny-moe rowwise"] = ("tiny-moe", "tiny-moe bf16", "rowwise", "bf16")
+    if torch.cuda.get_device_capability()[0] >= 10:
+        runs["tiny-moe mxfp8"] = RUNS["tiny-moe mxfp8"]
+    return runs
+
+
 def run(model: str, fp8: str, dtype: str, steps: int, run_dir: str) -> dict:
     from moeflow.config import load_config, parse_overrides
     from moeflow.train.trainer import train
@@ -79,23 +92,27 @@ def write_png(results: dict, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--max-rel", type=float, default=None,
+                    help="fail (exit status 1) if an FP8 run's loss strays further than this from bf16 at any step")
     args = ap.parse_args()
     torch.set_num_threads(2)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (model, _, fp8, dtype) in RUNS.items():
+        runs = runs_here()
+        for name, (model, _, fp8, dtype) in runs.items():
             results[name] = run(model, fp8, dtype, args.steps, os.path.join(tmp, name.replace(" ", "_")))
     import torchao
 
     meta = dict(machine=platform.machine(), cpu_count=os.cpu_count(), python=platform.python_version(),
                 torch=torch.__version__, torchao=torchao.__version__, platform=platform.platform(),
+                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 common=COMMON, steps=args.steps)
-    print(f"# {meta['platform']}, {meta['cpu_count']} CPUs, python {meta['python']}, torch {meta['torch']}, "
-          f"torchao {meta['torchao']}")
+    print(f"# {meta['platform']}, {meta['cpu_count']} CPUs, {meta['device']}, python {meta['python']}, "
+          f"torch {meta['torch']}, torchao {meta['torchao']}")
     print(f"# {args.steps} steps, {' '.join(COMMON)}")
     print("| run | first loss | final loss | max rel. diff vs bf16 | mean rel. diff | tokens/s | vs bf16 |")
     print("|---|---|---|---|---|---|---|")
-    for name, (_, base, _, _) in RUNS.items():
+    for name, (_, base, _, _) in runs.items():
         r = results[name]
         if base is None:
             r.update(max_rel=0.0, mean_rel=0.0, speed=1.0)
@@ -110,6 +127,10 @@ def main() -> None:
         json.dump({"meta": meta, "results": results}, fh, indent=1)
     write_png(results, os.path.join(OUT, "fp8.png"))
     print(f"wrote {OUT}/fp8.json and fp8.png")
+    if args.max_rel is not None:
+        strays = [n for n, (_, base, fp8, _) in runs.items() if fp8 != "none" and results[n]["max_rel"] > args.max_rel]
+        if strays:
+            sys.exit(f"FP8 runs further than {args.max_rel:.0%} from bf16: {strays}")
 
 
 if __name__ == "__main__":

@@ -97,8 +97,8 @@ def parallelize(
         apply_fp8(model, fp8, device_type)
         apply_activation_checkpointing(blocks(model), activation_checkpointing)
         _compile_blocks(model, compile)
-        state.runner = LocalRunner(model, loss_fn, microbatches, autocast, count_first=compile,
-                                   balance_group=dist.group.WORLD if world > 1 else None)
+        state.runner = LocalRunner(model, loss_fn, microbatches, autocast, count_first=_count_first(compile,
+                                   activation_checkpointing), balance_group=dist.group.WORLD if world > 1 else None)
         if world > 1:
             from moeflow.parallel.mesh import build_mesh
 
@@ -143,8 +143,14 @@ def parallelize(
         state.runner.autocast = autocast
     else:
         state.runner = LocalRunner(model, loss_fn, microbatches, autocast, balance_group=balance_group,
-                                   count_first=compile)
+                                   count_first=_count_first(compile, activation_checkpointing))
     return state
+
+
+def _count_first(compile: bool, activation_checkpointing: str) -> bool:
+    """Whether the global-batch balance loss needs its counting pass even with one forward per step: a compiled
+    block cannot read the loads late, and a recomputed one would see them already there and build another graph."""
+    return compile or activation_checkpointing != "none"
 
 
 def _check_model_object(model: nn.Module, dims: ParallelDims) -> None:
