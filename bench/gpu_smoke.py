@@ -8,6 +8,8 @@
     PASS ep_no_host_sync: .. the EP MoE layer with static sizes under torch.cuda.set_sync_debug_mode("error")
     PASS train_bf16: ...     20 steps of a small MoE model in bf16 on CUDA: loss falls, tokens/s, MFU
     PASS hf_parity: ...      a tiny transformers Qwen3-MoE and its moeflow copy: logits on the GPU
+    PASS fp8: ...            bench/fp8.py: 50 steps with training.fp8 (tensorwise, rowwise) against bf16, every
+                             step's loss within 3% (torchao's float8 kernels need CUDA)
     PASS/SKIP deep_ep: ...   the real DeepEP, if installed
 
 `--device cpu` runs the same checks on the CPU (gloo instead of NCCL, no sync debug mode): how the script
@@ -240,6 +242,19 @@ def hf_parity(device):
     return f"Qwen3-MoE logits max abs diff {err:.1e} on {device}"
 
 
+@check("fp8")
+def fp8_training(python: str, device):
+    if device.type != "cuda":
+        return "skipped off CUDA (tests/test_fp8.py runs the CPU recipes)"
+    out = subprocess.run([python, "bench/fp8.py", "--steps", "50", "--max-rel", "0.03"], capture_output=True,
+                         text=True, timeout=900, cwd=REPO)
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "first loss" not in line]
+    if out.returncode:
+        raise RuntimeError((out.stderr.strip().splitlines() or out.stdout.strip().splitlines() or ["no output"])[-1])
+    # each row: run, first loss, final loss, max rel. diff vs bf16, mean rel. diff, tokens/s, speed vs bf16
+    return "; ".join(" ".join(cell.strip() for cell in row.strip("|").split("|")) for row in rows)
+
+
 @check("deep_ep")
 def deep_ep_check(device):
     try:
@@ -262,6 +277,7 @@ def main() -> int:
     ep_no_host_sync(device)
     train_bf16(python, device)
     hf_parity(device)
+    fp8_training(python, device)
     deep_ep_check(device)
     failed = [name for status, name, _ in RESULTS if status == "FAIL"]
     print(f"{len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed" + (f"; failed: {failed}" if failed else ""))

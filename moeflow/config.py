@@ -91,6 +91,11 @@ class TrainingConfig:
     """'none', 'full' (recompute every block), or 'every-N' (every N-th block)."""
     compile: bool = False
     """torch.compile each transformer block (the first steps are slower while it compiles)."""
+    fp8: str = "none"
+    """FP8 matmuls through torchao: 'none', 'tensorwise', 'rowwise' or 'mxfp8'. Dense and attention Linear layers
+    and the routed experts compute in FP8; router, output head, embeddings and norms stay high precision, and so do
+    weights, optimizer state and checkpoints. Needs an FP8 GPU; a CPU emulates (tests; refused for an MoE model
+    with tensorwise/rowwise, whose FP8 grouped GEMM has no emulation). See moeflow/parallel/fp8.py."""
     on_nonfinite: str = "stop"
     """What a NaN/Inf loss does: 'stop' (error naming the step) or 'skip' (drop that step's update)."""
     device: str = "auto"
@@ -221,6 +226,9 @@ class JobConfig:
         check_choice("training.dtype", t.dtype, ("fp32", "bf16"))
         check_choice("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
         check_choice("training.device", t.device, ("auto", "cpu", "cuda"))
+        check_choice("training.fp8", t.fp8, ("none", "tensorwise", "rowwise", "mxfp8"))
+        if t.fp8 != "none":
+            self._validate_fp8()
         ac = t.activation_checkpointing
         if ac not in ("none", "full") and not (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0):
             raise ValueError(
@@ -246,6 +254,9 @@ class JobConfig:
         if p.ep_num_worst_tokens < -1:
             raise ValueError(f"parallel.ep_num_worst_tokens = {p.ep_num_worst_tokens}; use 0 (exact sizes), -1 (static "
                              f"sizes that never drop a token) or a number of rows")
+        if self.model.mtp_depth and self.data.packing:
+            raise ValueError(f"data.packing = true with model.mtp_depth = {self.model.mtp_depth}: the MTP modules "
+                             f"predict across document boundaries (no document masks yet); set data.packing = false")
         if p.cp > 1 and self.data.packing:
             raise ValueError(f"data.packing = true with parallel.cp = {p.cp}: context parallelism computes plain "
                              f"causal attention over whole sequences, not per-document masks; set "
@@ -264,6 +275,26 @@ class JobConfig:
             if not ok:
                 section, name = key.split(".")
                 raise ValueError(f"{key} = {getattr(getattr(self, section), name)}; use {expected}")
+
+    def _validate_fp8(self) -> None:
+        t, m = self.training, self.model
+        if self.parallel.tp > 1:
+            raise ValueError(f"training.fp8 = {t.fp8!r} with parallel.tp = {self.parallel.tp} is not supported yet "
+                             f"(FP8 Linear layers need torchao's float8 tensor-parallel styles); use tp = 1")
+        multiple = 32 if t.fp8 == "mxfp8" else 16
+        if self.data.seq_len % multiple:
+            raise ValueError(f"training.fp8 = {t.fp8!r} reduces over a micro-batch's tokens in blocks of {multiple}; "
+                             f"data.seq_len ({self.data.seq_len}) must be a multiple of {multiple}")
+        if t.fp8 == "mxfp8" and t.dtype == "bf16":
+            raise ValueError("training.fp8 = 'mxfp8' with training.dtype = 'bf16': torchao 0.18's MXFP8 ops do not run "
+                             "under autocast (its matmuls meet bf16 and fp32 operands); use training.dtype = 'fp32' "
+                             "(the MXFP8 matmuls replace the bf16 ones, the rest stays fp32)")
+        if t.compile and t.fp8 == "mxfp8":
+            raise ValueError("training.fp8 = 'mxfp8' with training.compile = true: inductor fails on torchao 0.18's "
+                             "MXFP8 grouped experts; turn one of them off")
+        if t.fp8 == "mxfp8" and m.is_moe and (m.dim % 32 or m.moe.ffn_dim % 32):
+            raise ValueError(f"training.fp8 = 'mxfp8' scales blocks of 32 along each expert matmul's inner width: "
+                             f"model.dim ({m.dim}) and model.moe.ffn_dim ({m.moe.ffn_dim}) must be multiples of 32")
 
     def layout(self, world_size: int) -> tuple[ParallelDims, BatchSplit]:
         """The run's parallel sizes and batch split on `world_size` ranks, every rule checked (the one place a

@@ -11,6 +11,8 @@ Sources (vendor datasheets):
 - H200 SXM: NVIDIA H200 datasheet: same tensor FLOPs as H100 SXM, 141 GB HBM3e, NVLink 900 GB/s.
 - B200 (HGX B200): NVIDIA HGX B200 datasheet: fp8 4.5 PFLOPS, bf16 2.25 PFLOPS dense per GPU,
   ~180 GB HBM3e per GPU (1.44 TB per 8), NVLink 5 1.8 TB/s bidirectional; 400 Gb/s NIC per GPU assumed.
+  Blackwell's tensor cores also take MXFP8 (block-scaled e4m3) at the fp8 rate (NVIDIA Blackwell architecture
+  technical brief); Hopper and the MI300 series have no block-scaled formats.
 - A100 SXM 40GB/80GB: NVIDIA A100 datasheet: bf16 312 TFLOPS dense, no fp8; NVLink 600 GB/s
   bidirectional; DGX A100 has a 200 Gb/s HDR NIC per GPU (25 GB/s).
 - MI300X: AMD Instinct MI300X datasheet: bf16 1307.4 TFLOPS, fp8 2614.9 TFLOPS dense, 192 GB HBM3,
@@ -54,9 +56,12 @@ class GPU:
     MFU 40-55% is what Megatron-LM, Llama 3 and DeepSeek-V3 report). The planner models compute per operation
     (moeflow.plan.compute) from matmul_efficiency and hbm_gbps instead."""
 
+    mxfp8: bool = False
+    """Tensor cores that take MXFP8 (block-scaled FP8) at the fp8 rate."""
+
     def matmul_fraction(self, precision: str) -> float:
         """Fraction of `peak_flops(precision)` that large matmuls reach."""
-        if precision == "fp8" and self.fp8_matmul_efficiency is not None:
+        if precision in ("fp8", "mxfp8") and self.fp8_matmul_efficiency is not None:
             return self.fp8_matmul_efficiency
         return self.matmul_efficiency
 
@@ -70,13 +75,15 @@ class GPU:
     def peak_flops(self, precision: str) -> float:
         if precision == "bf16":
             return self.bf16_tflops * 1e12
-        if precision == "fp8":
+        if precision in ("fp8", "mxfp8"):
             if self.fp8_tflops is None:
-                raise ValueError(
-                    f"--precision fp8 is not supported on {self.name} (no fp8 tensor cores); use --precision bf16"
-                )
+                raise ValueError(f"--precision {precision} is not supported on {self.name} (no fp8 tensor cores); "
+                                 f"use --precision bf16")
+            if precision == "mxfp8" and not self.mxfp8:
+                raise ValueError(f"--precision mxfp8 is not supported on {self.name} (no MXFP8 tensor cores; Blackwell "
+                                 f"has them); use --precision fp8")
             return self.fp8_tflops * 1e12
-        raise ValueError(f"--precision = {precision!r} is not one of ['bf16', 'fp8']")
+        raise ValueError(f"--precision = {precision!r} is not one of ['bf16', 'fp8', 'mxfp8']")
 
 
 _H100 = GPU("H100-80GB", 989, 1979, 80, 450, 50, "NVIDIA H100 datasheet (SXM5)", hbm_gbps=3350,
@@ -92,7 +99,7 @@ GPUS: dict[str, GPU] = {
         replace(_H100, name="H800", intra_gbps=200, source="NVIDIA H800 / DeepSeek-V3 report sec. 3.2.2"),
         replace(_H100, name="H200", memory_gb=141, hbm_gbps=4800, fp8_matmul_efficiency=0.734,
                 source="NVIDIA H200 datasheet (SXM)"),
-        GPU("B200", 2250, 4500, 180, 900, 50, "NVIDIA HGX B200 datasheet", hbm_gbps=8000,
+        GPU("B200", 2250, 4500, 180, 900, 50, "NVIDIA HGX B200 datasheet", hbm_gbps=8000, mxfp8=True,
             matmul_efficiency=0.776, fp8_matmul_efficiency=0.763),
         replace(_A100, name="A100-40GB", memory_gb=40, hbm_gbps=1555),
         _A100,

@@ -16,7 +16,7 @@ def launch(world: int, cases: list[tuple[str, list[str], str, bool]]) -> dict[st
     from tests.dist_harness import launch as harness_launch
 
     # A short collective timeout: a case that fails on one rank leaves its peers waiting until it expires.
-    results = harness_launch(world, cases, _run_case, setup=_trainer_env, timeout_s=60)
+    results = harness_launch(world, cases, _run_case, setup=_trainer_env, timeout_s=180)  # 8 ranks share 2 cores
     merged = {}
     for name, *_ in cases:
         bad = [r.get(name, "not run (an earlier case failed)") for r in results if r.get(name) != "ok"]

@@ -52,6 +52,8 @@ def test_booleans_and_optional_values():
         (["--training.activation_checkpointing=some"], r"training.activation_checkpointing = 'some'"),
         (["training.steps=3"], r"settings look like --section.key=value"),
         (["--verbose"], r"--verbose needs a value"),
+        (["--data.packing=true", "--parallel.cp=2"], r"data.packing = true with parallel.cp = 2.*data.packing = false"),
+        (["--data.packing=true", "--model.mtp_depth=1"], r"data.packing = true with model.mtp_depth = 1"),
     ],
 )
 def test_bad_settings_name_the_key_the_value_and_a_fix(args, message):

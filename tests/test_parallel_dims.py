@@ -62,6 +62,24 @@ def test_bad_sizes_for_the_model():
         ParallelDims(world_size=2, ep=2).check_model(get_preset("tiny-dense"))
 
 
+def test_objectives_that_need_whole_sequences_are_refused_where_sequences_are_split():
+    from dataclasses import replace
+
+    moe = get_preset("tiny-moe")
+    sequence = replace(moe, moe=replace(moe.moe, aux_loss_type="sequence", aux_loss_coef=0.01))
+    with pytest.raises(ValueError, match=r"aux_loss_type = 'sequence' with parallel.cp = 2 is not supported yet"):
+        ParallelDims(world_size=2, cp=2).check_model(sequence)
+    with pytest.raises(ValueError, match=r"aux_loss_type = 'sequence' with parallel.tp = 2 .*ep_over_tp = false"):
+        ParallelDims(world_size=2, tp=2).check_model(sequence)
+    ParallelDims(world_size=2, tp=2, ep_over_tp=False).check_model(sequence)  # tp ranks route every token
+    ParallelDims(world_size=2, dp_shard=2).check_model(sequence)  # data parallelism keeps sequences whole
+    with pytest.raises(ValueError, match=r"model.mtp_depth = 1 with parallel.cp = 2"):
+        ParallelDims(world_size=2, cp=2).check_model(replace(moe, mtp_depth=1))
+    padded = replace(moe, moe=replace(moe.moe, capacity_factor=1.25, pad_to_capacity=True))
+    with pytest.raises(ValueError, match=r"pad_to_capacity with expert parallelism .* = 2 ranks"):
+        ParallelDims(world_size=2, tp=2).check_model(padded)
+
+
 @pytest.mark.parametrize(
     "kwargs, seq_len, message",
     [

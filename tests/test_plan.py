@@ -470,6 +470,10 @@ def test_fp8_speeds_up_matmuls_only():
     # H100 SXM large-matmul rates measured by MAMF: bf16 794.5 of 989, fp8 1402.6 of 1979 TFLOP/s
     assert fp8.matmul_flops / bf16.matmul_flops == pytest.approx(1402.6 / 794.5, rel=0.005)
     assert scores_cost(cfg, 4096, 1, 1, fp8, True) == scores_cost(cfg, 4096, 1, 1, bf16, True)
+    # MXFP8 (training.fp8 = 'mxfp8') needs Blackwell's block-scaled tensor cores
+    with pytest.raises(ValueError, match="no MXFP8 tensor cores"):
+        job_for(cfg, "H100-80GB", precision="mxfp8").validate()
+    assert rates(job_for(cfg, "B200", precision="mxfp8")).matmul_elt == 1
 
 
 def test_cli_schedule_column_and_flags(capsys):

@@ -132,8 +132,16 @@ class ParallelDims:
                 )
             raise ValueError(f"parallel.ep ({self.ep}) must divide model.moe.num_experts ({E}); "
                              f"choose ep in {divisors(E)}")
+        if cfg.is_moe and self.expert_parallel > 1 and cfg.moe.pad_to_capacity:
+            raise ValueError(f"model.moe.pad_to_capacity with expert parallelism (parallel.ep x tp folded = "
+                             f"{self.expert_parallel} ranks) is not supported yet (it pads one process's experts); "
+                             f"turn it off, or use ep = 1 (and parallel.ep_over_tp = false with tp > 1)")
         if self.tp > 1:
             self._check_tp_widths(cfg)
+            if cfg.mtp_depth:
+                raise ValueError(f"model.mtp_depth = {cfg.mtp_depth} with parallel.tp = {self.tp} is not supported yet "
+                                 f"(the MTP blocks have no tensor-parallel plan); use tp = 1 with data, expert and "
+                                 f"pipeline parallelism")
         if self.pp > 1:
             stages = self.pp * default_stages_per_rank(self.pp_schedule)
             if self.pp > cfg.n_layers:
@@ -147,6 +155,16 @@ class ParallelDims:
             if cfg.tie_embeddings:
                 raise ValueError("model.tie_embeddings = true with parallel.pp > 1: the embedding and the output head "
                                  "live on different stages; set --model.tie_embeddings=false or parallel.pp = 1")
+        splits_sequences = self.cp > 1 or (self.fold_experts and self.tp > 1)
+        if cfg.is_moe and cfg.moe.aux_loss_type == "sequence" and cfg.moe.aux_loss_coef > 0 and splits_sequences:
+            raise ValueError(
+                f"model.moe.aux_loss_type = 'sequence' with {'parallel.cp' if self.cp > 1 else 'parallel.tp'} = "
+                f"{self.cp if self.cp > 1 else self.tp} is not supported yet: the sequence-wise balance loss needs "
+                f"each sequence's routed tokens on one rank, and this layout splits them; use aux_loss_type = "
+                f"'global_batch' or 'micro_batch'" + ("" if self.cp > 1 else ", or parallel.ep_over_tp = false"))
+        if cfg.mtp_depth and self.cp > 1:
+            raise ValueError(f"model.mtp_depth = {cfg.mtp_depth} with parallel.cp = {self.cp} is not supported yet "
+                             f"(multi-token prediction shifts whole sequences, which cp splits); use cp = 1")
 
     def _check_tp_widths(self, cfg: ModelConfig) -> None:
         """tp divides the widths tensor parallelism shards: heads, kv heads and the dense FFN width (MoE layers

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 SCORE_FUNCS = ("softmax", "sigmoid")
 ATTENTIONS = ("gqa", "mla")
 QK_NORMS = ("none", "per_head", "full")
+AUX_LOSS_TYPES = ("micro_batch", "sequence", "global_batch")
+DROP_POLICIES = ("position", "probs")
 ROPE_SCALINGS = ("none", "llama3", "yarn")
 
 
@@ -47,11 +49,23 @@ class MoEConfig:
     bias_update_rate: float = 1e-3
     """Step of the aux-free bias update: bias += rate * sign(mean_load - load)."""
     aux_loss_coef: float = 0.0
-    """Coefficient of the Switch/GShard auxiliary balance loss E * sum_e f_e * P_e (0 = off)."""
+    """Coefficient of the auxiliary balance loss E * sum_e f_e * P_e (0 = off); aux_loss_type says over which
+    tokens f (share of top-k selections) and P (mean routing probability) are counted."""
+    aux_loss_type: str = "micro_batch"
+    """'micro_batch': f and P over one forward's tokens on this rank (Switch Transformers); 'sequence': per
+    sequence, averaged over sequences (DeepSeek-V3's complementary sequence-wise loss, sec. 2.1.2); 'global_batch':
+    f over every token of the optimizer step on all ranks (Qwen3; Qiu et al. 2025, arXiv:2501.11873). The last two
+    give the same loss and gradients under every parallel layout."""
     z_loss_coef: float = 0.0
     """Coefficient of the router z-loss mean(logsumexp(logits)^2) (ST-MoE; 0 = off)."""
     capacity_factor: float | None = None
     """None = dropless. Otherwise each expert takes at most ceil(cf * T * K / E) tokens; the rest drop."""
+    drop_policy: str = "position"
+    """With a capacity factor, which assignments an expert keeps: 'position' (the earliest tokens, GShard) or
+    'probs' (the highest routing weights; ties to the earlier token)."""
+    pad_to_capacity: bool = False
+    """With a capacity factor, every expert computes exactly its capacity in rows (zeros where fewer tokens
+    came): static shapes for the expert matmuls and no host sync in dispatch."""
     expert_impl: str = "auto"
     """Grouped matmul path: 'auto' (fastest measured here), 'grouped_mm', 'bmm', 'loop'."""
     norm_top1: bool = False
@@ -145,6 +159,13 @@ class ModelConfig:
     """Standard deviation of the normal weight init."""
     moe: MoEConfig = field(default_factory=lambda: MoEConfig(num_experts=0))
     """Experts; moe.num_experts == 0 makes every layer dense."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules (DeepSeek-V3 report, sec. 2.2; 1 there): module k also predicts the token
+    k + 1 ahead from the previous depth's hidden state and the embedding of the token k ahead, through one
+    transformer block and the shared output head. Training only: forward in eval mode returns the main logits."""
+    mtp_loss_coef: float = 0.3
+    """Weight lambda of the MTP loss: lambda / mtp_depth * sum_k CE_k is added to the objective (DeepSeek-V3:
+    0.3 for the first 10T tokens, then 0.1)."""
     hf_path: str = ""
     """Load the architecture and weights from this Hugging Face folder (config.json + *.safetensors); its
     architecture replaces the model.* settings, which keep only the training knobs (expert_impl, losses, ...)."""
@@ -198,6 +219,11 @@ class ModelConfig:
             check_choice("model.moe.score_func", m.score_func, SCORE_FUNCS)
             check_choice("model.moe.load_balance", m.load_balance, ("aux_free", "none"))
             check_choice("model.moe.expert_impl", m.expert_impl, ("auto", "grouped_mm", "bmm", "loop"))
+            check_choice("model.moe.aux_loss_type", m.aux_loss_type, AUX_LOSS_TYPES)
+            check_choice("model.moe.drop_policy", m.drop_policy, DROP_POLICIES)
+            if m.pad_to_capacity and m.capacity_factor is None:
+                raise ValueError("model.moe.pad_to_capacity = true needs a capacity to pad to; set "
+                                 "model.moe.capacity_factor (e.g. 1.25) or turn pad_to_capacity off")
             if not 1 <= m.top_k <= m.num_experts:
                 raise ValueError(
                     f"model.moe.top_k ({m.top_k}) must be between 1 and model.moe.num_experts "
@@ -226,6 +252,10 @@ class ModelConfig:
                 raise ValueError(
                     f"model.moe.first_k_dense ({m.first_k_dense}) must be in [0, n_layers={self.n_layers}]"
                 )
+        if self.mtp_depth < 0:
+            raise ValueError(f"model.mtp_depth must be 0 (off) or more, got {self.mtp_depth}")
+        if self.mtp_depth and self.mtp_loss_coef < 0:
+            raise ValueError(f"model.mtp_loss_coef must not be negative, got {self.mtp_loss_coef}")
         return self
 
     def _validate_rope_scaling(self) -> None:
@@ -298,15 +328,22 @@ class ModelConfig:
     def embedding_params(self) -> int:
         return self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
 
+    def mtp_params(self, active: bool = False) -> int:
+        """The MTP modules: per depth two input norms, the [2D -> D] projection, one block (an MoE block when the
+        model is MoE) and the output norm; the embedding and head are the main model's."""
+        per_depth = 3 * self.dim + 2 * self.dim * self.dim + self.layer_params(self.n_layers, active)
+        return self.mtp_depth * per_depth
+
     def num_params(self) -> int:
-        """Every parameter: embeddings, output head (unless tied), final norm, all blocks."""
-        return self.embedding_params() + self.dim + sum(self.layer_params(i) for i in range(self.n_layers))
+        """Every parameter: embeddings, output head (unless tied), final norm, all blocks, MTP modules."""
+        return (self.embedding_params() + self.dim + sum(self.layer_params(i) for i in range(self.n_layers))
+                + self.mtp_params())
 
     def num_active_params(self) -> int:
         """Parameters one token touches: as num_params but top_k of the routed experts per MoE layer."""
         return self.embedding_params() + self.dim + sum(
             self.layer_params(i, active=True) for i in range(self.n_layers)
-        )
+        ) + self.mtp_params(active=True)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 * active non-embedding matmul params + attention scores.
@@ -314,15 +351,17 @@ class ModelConfig:
         6N for forward+backward (Kaplan et al. 2020, "Scaling Laws", sec. 2.1), with N counted as the
         active parameters used in matmuls (the output head counts; the embedding lookup does not), plus
         the attention term 6 * n_layers * seq_len * (qk width + v width) per token for causal attention
-        (12 * L * S * D in Kaplan's notation for full attention, halved for the causal mask).
+        (12 * L * S * D in Kaplan's notation for full attention, halved for the causal mask). Each MTP depth
+        adds its block (one more layer of attention) and runs the output head once more.
         """
         n_matmul = self.num_active_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
         n_matmul -= self.dim  # final norm is not a matmul; per-layer norms are negligible and kept
+        n_matmul += self.mtp_depth * self.vocab_size * self.dim  # the shared head, once per MTP depth
         if self.attention == "mla":
             qk, v = self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim), self.n_heads * self.v_head_dim
         else:
             qk = v = self.n_heads * self.hd
-        attn = 6 * self.n_layers * seq_len * (qk + v) / 2
+        attn = 6 * (self.n_layers + self.mtp_depth) * seq_len * (qk + v) / 2
         return 6.0 * n_matmul + attn
 
     def replace(self, **changes) -> ModelConfig:

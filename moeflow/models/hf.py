@@ -31,6 +31,7 @@ from moeflow.models.hf_arch import (
     config_to_hf,
     ignored_on_load,
     infer_arch,
+    mtp_tensor_names,
     tensor_rules,
 )
 from moeflow.models.transformer import Transformer
@@ -39,8 +40,11 @@ SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # Tokenizer and generation files travel with the weights on conversion (moeflow reads only tokenizer.json).
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
               "chat_template.jinja")
-# What a moeflow config keeps when model.hf_path replaces its architecture: how to train, not what is trained.
-TRAINING_KNOBS = {"moe": ("expert_impl", "aux_loss_coef", "z_loss_coef", "capacity_factor", "bias_update_rate")}
+# What a moeflow config keeps when model.hf_path replaces its architecture: how to train, not what is trained
+# ("" is the model section itself).
+TRAINING_KNOBS = {"moe": ("expert_impl", "aux_loss_coef", "aux_loss_type", "z_loss_coef", "capacity_factor",
+                          "drop_policy", "pad_to_capacity", "bias_update_rate"),
+                  "": ("mtp_loss_coef",)}
 # Fields of an original config.json that moeflow does not model but an export back to it keeps: token ids and
 # the like (inert settings only; anything that changes the computation is mapped or refused in hf_arch).
 KEPT_HF_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "sliding_window", "use_sliding_window",
@@ -67,7 +71,24 @@ def read_hf_config(path: str | Path) -> tuple[dict, ModelConfig]:
         raise ValueError(f"{config_file} is not valid JSON ({e})") from None
     cfg = config_from_hf(hf)
     cfg.hf_path = str(folder)
+    if cfg.mtp_depth and not _holds_mtp_layers(folder, hf):
+        # transformers' own save_pretrained writes DeepSeek-V3 configs with num_nextn_predict_layers = 1 and no MTP
+        # tensors: such a checkpoint is the main model only.
+        cfg.mtp_depth = 0
     return hf, cfg
+
+
+def _holds_mtp_layers(folder: Path, hf: dict) -> bool:
+    """Whether the checkpoint's headers name any MTP tensor (reads headers only)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            return bool(mtp_tensor_names(hf, json.loads(index.read_text())["weight_map"]))
+        except (ValueError, KeyError):
+            return True  # let weight_files report the broken index
+    if (folder / SINGLE_FILE).is_file():
+        return bool(mtp_tensor_names(hf, read_header(folder / SINGLE_FILE)))
+    return True  # no weights: the loader says so
 
 
 def from_pretrained(
@@ -86,20 +107,23 @@ def training_config(cfg: ModelConfig) -> ModelConfig:
     """The model config a run with model.hf_path trains: the folder's architecture, cfg's training knobs,
     hf_path kept (config.json only; no weights are read)."""
     _, loaded = read_hf_config(cfg.hf_path)
-    for section, keys in TRAINING_KNOBS.items():
-        for key in keys:
-            setattr(getattr(loaded, section), key, getattr(getattr(cfg, section), key))
+    _keep_training_knobs(cfg, loaded)
     loaded.hf_path = cfg.hf_path
     return loaded.validate()
+
+
+def _keep_training_knobs(asked: ModelConfig, loaded: ModelConfig) -> None:
+    for section, keys in TRAINING_KNOBS.items():
+        src, dst = (getattr(asked, section), getattr(loaded, section)) if section else (asked, loaded)
+        for key in keys:
+            setattr(dst, key, getattr(src, key))
 
 
 def load_for_training(cfg: ModelConfig) -> tuple[Transformer, ModelConfig]:
     """What the trainer starts from when model.hf_path is set: the folder's architecture and weights (fp32),
     with cfg's training knobs kept (moe.expert_impl, aux/z-loss coefficients, capacity, bias update rate)."""
     hf, loaded = read_hf_config(cfg.hf_path)
-    for section, keys in TRAINING_KNOBS.items():
-        for key in keys:
-            setattr(getattr(loaded, section), key, getattr(getattr(cfg, section), key))
+    _keep_training_knobs(cfg, loaded)
     return _load(Path(cfg.hf_path), hf, loaded.validate(), torch.float32, "cpu"), loaded
 
 
@@ -133,7 +157,8 @@ def _load(folder: Path, hf: dict, cfg: ModelConfig, dtype: torch.dtype, device) 
     _check_shapes(rules, present, state)
     by_name: dict[str, list[Rule]] = defaultdict(list)
     for r in rules:
-        by_name[r.hf].append(r)
+        if r.layout != "copy":  # copies are checked against what their own tensor loaded, after the rest
+            by_name[r.hf].append(r)
     filled = {r.mf for r in rules} | ({"output.weight"} if cfg.tie_embeddings else set())  # tied: the embedding
     for key, tensor in state.items():  # routers without a selection bias in the checkpoint start unbiased
         if key not in filled and key.endswith("router.expert_bias"):
@@ -154,7 +179,27 @@ def _load(folder: Path, hf: dict, cfg: ModelConfig, dtype: torch.dtype, device) 
                                 copy_into(state[r.mf], tensor, r)
             except (OSError, SafetensorError) as e:
                 raise ValueError(f"cannot read {file}: {e}; the file may be corrupt - copy it again") from None
+        _check_copies(rules, present, state)
     return model
+
+
+def _check_copies(rules: list[Rule], present: dict, state: dict) -> None:
+    """The copies DeepSeek-V3's MTP layers keep of the shared embedding and head must equal them: moeflow shares one
+    tensor (DeepSeek-V3 report, sec. 2.2), so a differing copy would be lost silently."""
+    from safetensors import safe_open
+
+    for r in rules:
+        if r.layout != "copy":
+            continue
+        file = present[r.hf][0]
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            copy = f.get_tensor(r.hf)
+        if not torch.equal(copy.to(state[r.mf].dtype), state[r.mf]):
+            raise ValueError(
+                f"{r.hf} in {file.name} differs from the tensor it copies ({r.mf} in moeflow); moeflow shares the "
+                f"embedding and output head between the main model and the MTP layers, as DeepSeek-V3 does: "
+                f"re-save the checkpoint with equal copies, or drop its MTP layers (num_nextn_predict_layers = 0)"
+            )
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor, rule: Rule) -> None:
@@ -175,7 +220,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, rule: Rule) -> None:
 
 def hf_shape(rule: Rule, mf_shape: torch.Size) -> list[int]:
     """The shape the Hugging Face tensor must have for `rule`, from its moeflow tensor's shape."""
-    if rule.layout == "same":
+    if rule.layout in ("same", "copy"):
         return list(mf_shape)
     if rule.layout == "transposed":  # one expert's [out, in] <- moeflow's [E, in, out]
         return [mf_shape[2], mf_shape[1]]
@@ -330,6 +375,8 @@ def to_hf(t: torch.Tensor, rule: Rule) -> torch.Tensor:
     """A moeflow tensor (or its expert slice) in the Hugging Face on-disk layout."""
     if rule.layout == "same":
         return t
+    if rule.layout == "copy":  # its own storage: safetensors refuses tensors that share memory
+        return t.clone()
     assert rule.layout == "transposed", f"{rule.layout} is a load-only layout"
     return t[rule.expert].T
 

@@ -8,6 +8,8 @@ renormalised top-1 weight, YaRN's softmax scale) the moeflow config has a field 
 A `Rule` ties one Hugging Face tensor to one moeflow tensor (or one expert's slice of it) and says how the
 layout changes between the two:
   same        identical
+  copy        a second copy of a moeflow tensor another rule fills: DeepSeek-V3's MTP layers store the shared
+              embedding and output head again; loading checks the copy is equal, saving writes it
   transposed  one expert's nn.Linear weight [out, in] <-> moeflow's [in, out] slice of a 3-D expert tensor
   gate_half   fused gate_up_proj [E, 2F, D] (transformers 5 in memory) -> gate half, as moeflow's w1 [E, D, F]
   up_half     ... the up half, as w3 [E, D, F]
@@ -220,6 +222,10 @@ def _deepseek_v3(f: _Fields, cfg: ModelConfig) -> None:
         route_scale=float(f.get("routed_scaling_factor")), n_group=f.get("n_group"), topk_group=f.get("topk_group"),
         load_balance="aux_free",  # HF adds e_score_correction_bias to the scores that choose experts
     )
+    # Multi-token prediction layers follow the decoder layers in the checkpoint. Only an explicit field counts
+    # (transformers' class default is 1, but its own save_pretrained writes no MTP tensors); the loader lowers it
+    # to 0 for a checkpoint that holds none (moeflow.models.hf.read_hf_config).
+    cfg.mtp_depth = int(f.hf.get("num_nextn_predict_layers") or f.hf.get("num_mtp_layers") or 0)
 
 
 _ARCH_READERS = {
@@ -229,13 +235,18 @@ _ARCH_READERS = {
 
 
 def ignored_on_load(hf: dict, name: str) -> bool:
-    """Tensors a checkpoint may hold that the causal LM does not use: stale RoPE tables of old checkpoints, and
-    DeepSeek-V3's multi-token-prediction layers (numbered from num_hidden_layers on; HF skips them too)."""
+    """Tensors a checkpoint may hold that the causal LM does not use: stale RoPE tables of old checkpoints."""
     if name.endswith("rotary_emb.inv_freq"):
         return True
-    if hf.get("model_type") == "deepseek_v3" and name.startswith("model.layers."):
-        return int(name.split(".")[2]) >= hf["num_hidden_layers"]
     return name == "lm_head.weight" and bool(hf.get("tie_word_embeddings"))
+
+
+def mtp_tensor_names(hf: dict, names) -> list[str]:
+    """The names among `names` that belong to DeepSeek-V3 MTP layers (model.layers.<i> with i >= num_hidden_layers)."""
+    if hf.get("model_type") != "deepseek_v3":
+        return []
+    first = hf["num_hidden_layers"]
+    return [n for n in names if n.startswith("model.layers.") and int(n.split(".")[2]) >= first]
 
 
 # ---- ModelConfig -> config.json -----------------------------------------------------------------------------
@@ -272,6 +283,8 @@ def check_exportable(cfg: ModelConfig, arch: Arch) -> None:
     need(cfg.is_moe == (kind in ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")),
          f"moe.num_experts = {m.num_experts}")
     need(not cfg.attention_bias or kind in ("llama", "qwen3", "qwen3_moe", "olmoe"), "attention_bias = true")
+    need(cfg.mtp_depth == 0 or kind == "deepseek_v3",
+         f"mtp_depth = {cfg.mtp_depth} (only DeepSeek-V3 checkpoints store MTP layers)")
     if kind == "olmoe":
         need(cfg.hd * cfg.n_heads == cfg.dim, f"head_dim = {cfg.hd} with n_heads * head_dim != dim ({cfg.dim})")
     if kind == "deepseek_v3":
@@ -331,7 +344,7 @@ def config_to_hf(cfg: ModelConfig, arch: Arch, dtype: str) -> dict:
             n_routed_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.ffn_dim,
             n_shared_experts=m.num_shared_experts, first_k_dense_replace=m.first_k_dense,
             routed_scaling_factor=m.route_scale, n_group=m.n_group, topk_group=m.topk_group,
-            norm_topk_prob=renormalises(m), num_nextn_predict_layers=0, attention_bias=False,
+            norm_topk_prob=renormalises(m), num_nextn_predict_layers=cfg.mtp_depth, attention_bias=False,
         )
     return hf
 
@@ -404,8 +417,9 @@ def _attention_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
     return pairs
 
 
-def layer_rules(cfg: ModelConfig, arch: Arch, layer: int, fused: bool) -> list[Rule]:
-    hf, mf = f"model.layers.{layer}.", f"layers.{layer}."
+def layer_rules(cfg: ModelConfig, arch: Arch, layer: int, fused: bool, mf: str | None = None) -> list[Rule]:
+    """One decoder layer's rules; `mf`: the moeflow prefix of its block (default 'layers.<layer>.')."""
+    hf, mf = f"model.layers.{layer}.", mf or f"layers.{layer}."
     rules = [Rule(hf + "input_layernorm.weight", mf + "attention_norm.weight"),
              Rule(hf + "post_attention_layernorm.weight", mf + "ffn_norm.weight")]
     rules += [Rule(f"{hf}self_attn.{h}", f"{mf}attention.{m}") for h, m in _attention_pairs(cfg)]
@@ -425,4 +439,19 @@ def tensor_rules(cfg: ModelConfig, arch: Arch, fused: bool = False) -> list[Rule
     rules.append(Rule("model.norm.weight", "norm.weight"))
     if not cfg.tie_embeddings:
         rules.append(Rule("lm_head.weight", "output.weight"))
+    for k in range(cfg.mtp_depth):
+        rules += mtp_rules(cfg, arch, k, fused)
     return rules
+
+
+def mtp_rules(cfg: ModelConfig, arch: Arch, k: int, fused: bool) -> list[Rule]:
+    """DeepSeek-V3's MTP depth k+1, stored as decoder layer n_layers + k (the names vLLM's and transformers'
+    loaders read): its own norms, projection and block, and copies of the shared embedding and head."""
+    layer = cfg.n_layers + k
+    hf, mf = f"model.layers.{layer}.", f"mtp.{k}."
+    own = [Rule(hf + "enorm.weight", mf + "enorm.weight"), Rule(hf + "hnorm.weight", mf + "hnorm.weight"),
+           Rule(hf + "eh_proj.weight", mf + "eh_proj.weight"),
+           Rule(hf + "shared_head.norm.weight", mf + "norm.weight"),
+           Rule(hf + "embed_tokens.weight", "tok_embeddings.weight", layout="copy"),
+           Rule(hf + "shared_head.head.weight", "output.weight", layout="copy")]
+    return own + layer_rules(cfg, arch, layer, fused, mf=mf + "block.")

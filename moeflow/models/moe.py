@@ -1,7 +1,7 @@
 """Mixture-of-Experts FFN: Router, GroupedExperts, shared experts, and the MoE module that joins them.
 
 Shape suffixes: T tokens, K top-k, E experts, D model width, F expert width, N routed rows (valid
-(token, expert) pairs sorted by expert), G expert groups.
+(token, expert) pairs sorted by expert), G expert groups, B sequences, S tokens per sequence, C capacity.
 
 MoE.forward is route -> dispatch -> experts -> combine. The dispatcher is an object: `LocalDispatcher` here
 (every expert in this process: dispatch sorts the token copies by expert), and expert parallelism swaps in
@@ -43,6 +43,7 @@ class RouterOutput:
     topk_weights: torch.Tensor  # [T, K] float32, 0 where dropped; carries the aux-loss gradient
     tokens_per_expert: torch.Tensor  # [E] int64, after dropping
     aux_loss: torch.Tensor  # scalar, already multiplied by the coefficients (0 when off)
+    capacity: int | None = None  # rows each expert may take (None: dropless)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -64,6 +65,23 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_TK, torch.full(ctx.aux_shape, ctx.scale, device=grad_TK.device), None
 
 
+class _DeferredGlobalBalance(torch.autograd.Function):
+    """coef * E * sum_e f_e * P_e where f (the global batch's selection shares) is only known after every rank's
+    forward: its backward reads `router.global_selected`, which the step runner all-reduces between this
+    micro-batch's forward and its backward (moeflow.parallel.runner). The forward value uses this forward's own
+    selections as a stand-in; the gradient is the global one."""
+
+    @staticmethod
+    def forward(ctx, probs_mean_E, local_share_E, router):
+        ctx.router = router
+        return router.cfg.aux_loss_coef * router.cfg.num_experts * (local_share_E * probs_mean_E).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        share_E = ctx.router.global_selection_share()
+        return grad * ctx.router.cfg.aux_loss_coef * ctx.router.cfg.num_experts * share_E, None, None
+
+
 class Router(nn.Module):
     """Top-k router with group-limited selection, aux-loss-free bias, aux/z losses and capacity."""
 
@@ -77,7 +95,11 @@ class Router(nn.Module):
         # updates). Overwritten, never accumulated, so activation recomputation cannot count twice.
         self.last_load: torch.Tensor | None = None  # [E] float32 tokens per expert
         self.last_dropped: torch.Tensor | None = None  # scalar float32, assignments dropped
+        self.last_selected: torch.Tensor | None = None  # [E] float32 top-k selections per expert, before drops
         self.aux_loss_scale = 1.0  # the trainer sets 1 / gradient-accumulation steps
+        # aux_loss_type 'global_batch': top-k selections per expert summed over every token of the optimizer step
+        # on all ranks, handed in by the step runner (model code never communicates; docs/design.md, principle 1).
+        self.global_selected: torch.Tensor | None = None  # [E] float32
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         if self.cfg.score_func == "softmax":
@@ -100,60 +122,106 @@ class Router(nn.Module):
             choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))
         return choice_TE.topk(cfg.top_k, dim=-1).indices
 
-    def apply_capacity(self, topk_idx_TK: torch.Tensor) -> torch.Tensor:
-        """Drop assignments beyond ceil(cf * T * K / E) per expert, earliest tokens first (GShard)."""
+    def capacity(self, num_tokens: int) -> int:
+        """ceil(cf * T * K / E): the assignments one expert may take from T tokens."""
+        return math.ceil(self.cfg.capacity_factor * num_tokens * self.cfg.top_k / self.cfg.num_experts)
+
+    def apply_capacity(self, topk_idx_TK: torch.Tensor, weights_TK: torch.Tensor | None = None) -> torch.Tensor:
+        """Drop assignments beyond the capacity per expert: the latest tokens (drop_policy 'position', GShard) or
+        the lowest routing weights (drop_policy 'probs', ties to the earlier token). -1 marks a dropped one."""
         T, K = topk_idx_TK.shape
         E = self.cfg.num_experts
-        capacity = math.ceil(self.cfg.capacity_factor * T * K / E)
+        capacity = self.capacity(T)
         flat = topk_idx_TK.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (t, k) order is kept inside each expert
+        if self.cfg.drop_policy == "probs":
+            # heaviest first (a stable sort keeps (t, k) order among equal weights), then grouped by expert
+            by_weight = torch.argsort(-weights_TK.detach().reshape(-1), stable=True)
+            order = by_weight[torch.argsort(flat[by_weight], stable=True)]
+        else:
+            order = torch.argsort(flat, stable=True)  # (t, k) order is kept inside each expert
         counts_E = count_keys(flat, E)
         starts_E = torch.cumsum(counts_E, 0) - counts_E
         pos_sorted = torch.arange(flat.numel(), device=flat.device) - starts_E[flat[order]]
         pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
         return torch.where(pos < capacity, flat, torch.full_like(flat, -1)).view(T, K)
 
-    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+    def forward(self, x_TD: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
+        """Route T tokens; `num_sequences` equal consecutive sequences make them up (for the sequence-wise loss)."""
         cfg = self.cfg
         # Routing in fp32 whatever the activations are: top-k ties and softmax saturate in bf16.
         logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
         scores_TE = self.scores(logits_TE)
         with torch.no_grad():
-            topk_idx_TK = self.select(scores_TE)
-        weights_TK = scores_TE.gather(1, topk_idx_TK)
+            selected_TK = self.select(scores_TE)
+        weights_TK = scores_TE.gather(1, selected_TK)
         if cfg.norm_topk_prob and (cfg.top_k > 1 or cfg.norm_top1):
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
         weights_TK = weights_TK * cfg.route_scale
+        topk_idx_TK, capacity = selected_TK, None
         if cfg.capacity_factor is not None:
-            topk_idx_TK = self.apply_capacity(topk_idx_TK)
+            capacity = self.capacity(x_TD.shape[0])
+            topk_idx_TK = self.apply_capacity(selected_TK, weights_TK)
             weights_TK = weights_TK.masked_fill(topk_idx_TK < 0, 0.0)
 
         valid = topk_idx_TK >= 0
         tokens_per_expert_E = expert_counts(topk_idx_TK, cfg.num_experts)
-        aux_loss = self.balance_losses(logits_TE, scores_TE, topk_idx_TK)
+        self.last_selected = count_keys(selected_TK.reshape(-1), cfg.num_experts).float()
+        aux_loss = self.balance_losses(logits_TE, scores_TE, topk_idx_TK, selected_TK, num_sequences)
         if aux_loss.requires_grad and torch.is_grad_enabled():
             weights_TK = _AttachAuxLoss.apply(weights_TK, aux_loss, self.aux_loss_scale)
         self.last_load = tokens_per_expert_E.detach().float()
         self.last_dropped = (~valid).sum().float()
-        return RouterOutput(topk_idx_TK, weights_TK, tokens_per_expert_E, aux_loss.detach())
+        return RouterOutput(topk_idx_TK, weights_TK, tokens_per_expert_E, aux_loss.detach(), capacity)
 
-    def balance_losses(self, logits_TE, scores_TE, topk_idx_TK) -> torch.Tensor:
+    def balance_losses(self, logits_TE, scores_TE, topk_idx_TK, selected_TK=None, num_sequences: int = 1):
         """aux_coef * E * sum_e f_e P_e  +  z_coef * mean(logsumexp(logits)^2).
 
-        f_e: share of the T*K assignments that chose e (1/E each when balanced, so the loss is 1 then);
-        P_e: mean routing probability of e (Switch Transformers, Fedus et al. 2021, eq. 4; ST-MoE,
-        Zoph et al. 2022, eq. 5 for the z-loss).
+        f_e: share of the top-k assignments that chose e (1/E each when balanced, so the loss is 1 then);
+        P_e: mean routing probability of e, the scores renormalised to sum to one per token (Switch Transformers,
+        Fedus et al. 2021, eq. 4; ST-MoE, Zoph et al. 2022, eq. 5 for the z-loss). Over which tokens:
+        micro_batch  this forward's T tokens, f from the assignments kept after capacity drops;
+        sequence     each sequence's S tokens, f from its top-k selections, averaged over the B sequences:
+                     (aux_coef / B) * sum_b sum_e (E / (K S)) count_be * P_be (DeepSeek-V3 report, eqs. 17-20);
+        global_batch f from the selections of every token of the optimizer step on every rank
+                     (`global_selected`), P over this forward's tokens: averaging over micro-batches and
+                     data-parallel ranks, as the gradients are, gives P over the global batch too
+                     (Qiu et al. 2025, "Demons in the Detail", arXiv:2501.11873, sec. 3).
         """
         cfg = self.cfg
         total = logits_TE.new_zeros(())
         if cfg.aux_loss_coef > 0:
             T, K = topk_idx_TK.shape
-            f_E = expert_counts(topk_idx_TK, cfg.num_experts).float() / (T * K)
+            E = cfg.num_experts
             probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
-            total = total + cfg.aux_loss_coef * cfg.num_experts * (f_E * probs_TE.mean(0)).sum()
+            if cfg.aux_loss_type == "sequence":
+                B = num_sequences
+                picks_BM = selected_TK.view(B, -1)  # M = S * K selections per sequence
+                counts_BE = logits_TE.new_zeros(B, E).scatter_add_(1, picks_BM, logits_TE.new_ones(picks_BM.shape))
+                f_BE = counts_BE * E / (K * (T // B))
+                total = total + cfg.aux_loss_coef * (f_BE * probs_TE.view(B, -1, E).mean(1)).sum(-1).mean()
+            elif cfg.aux_loss_type == "global_batch":
+                P_E = probs_TE.mean(0)
+                if self.global_selected is not None:  # known before the forward (the runner's counting pass)
+                    total = total + cfg.aux_loss_coef * E * (self.global_selection_share() * P_E).sum()
+                else:
+                    local_share_E = self.last_selected / self.last_selected.sum()
+                    total = total + _DeferredGlobalBalance.apply(P_E, local_share_E, self)
+            else:
+                f_E = expert_counts(topk_idx_TK, E).float() / (T * K)
+                total = total + cfg.aux_loss_coef * E * (f_E * probs_TE.mean(0)).sum()
         if cfg.z_loss_coef > 0:
             total = total + cfg.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean()
         return total
+
+    def global_selection_share(self) -> torch.Tensor:
+        """f_e of the global-batch loss: expert e's share of all top-k selections of the step."""
+        if self.global_selected is None:
+            raise RuntimeError(
+                "model.moe.aux_loss_type = 'global_batch' needs the expert loads of the whole step, which the step "
+                "runner (moeflow.parallel.runner) supplies before backward; this forward ran outside one. Run the "
+                "step through parallelize(...).runner, or use aux_loss_type = 'micro_batch' or 'sequence'"
+            )
+        return self.global_selected / self.global_selected.sum()
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor) -> None:
@@ -229,6 +297,30 @@ def sort_by_expert(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_T
     return Dispatched(x_TD.index_select(0, row_N), counts_E, row_N, weight_N, x_TD.shape[0])
 
 
+def sort_into_capacity(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                       num_experts: int, capacity: int) -> Dispatched:
+    """Exactly `capacity` rows per expert (model.moe.pad_to_capacity): expert e's kept pairs fill slots
+    [e * C, e * C + count_e) in (token, k) order, the other slots hold zero rows of weight 0. Every size is known
+    before the data, so there is no host sync and the expert matmuls always see [E * C, D]."""
+    E, C = num_experts, capacity
+    T, K = topk_idx_TK.shape
+    flat = topk_idx_TK.reshape(-1)
+    key = torch.where(flat < 0, torch.full_like(flat, E), flat)  # dropped pairs sort last, into key E
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
+    starts = torch.cumsum(counts, 0) - counts
+    pos_sorted = torch.arange(flat.numel(), device=flat.device) - starts[key[order]]
+    pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
+    # slot of each (t, k) pair; dropped pairs all go to one spare slot E * C that is cut off below
+    slot = torch.where(key < E, key * C + pos, torch.full_like(key, E * C))
+    token = torch.arange(T * K, device=flat.device) // K
+    x_slots = x_TD.new_zeros(E * C + 1, x_TD.shape[1]).index_copy(0, slot, x_TD.index_select(0, token))
+    weight_slots = topk_weights_TK.new_zeros(E * C + 1).index_copy(0, slot, topk_weights_TK.reshape(-1))
+    row_slots = torch.zeros(E * C + 1, dtype=torch.long, device=flat.device).index_copy(0, slot, token)
+    counts_E = torch.full((E,), C, dtype=torch.long, device=flat.device)
+    return Dispatched(x_slots[:E * C], counts_E, row_slots[:E * C], weight_slots[:E * C], T)
+
+
 def weighted_sum_back(y_ND: torch.Tensor, d: Dispatched, like_TD: torch.Tensor) -> torch.Tensor:
     """out[t] = sum over t's expert rows of weight * y, shaped and typed like `like_TD`."""
     if d.valid_N is not None:  # rows past the last group hold whatever the matmul left there
@@ -275,6 +367,11 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # up,   [E, D, F]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # down, [E, F, D]
         self.impl = impl
+        # Rows per expert are padded to a multiple of this (low-precision grouped GEMMs need aligned groups:
+        # 16 for FP8, 32 for MXFP8); moeflow.parallel.fp8 sets it together with the weights' FP8 wrapper.
+        self.group_alignment = 1
+        # torchao's FP8/MXFP8 grouped GEMMs want the right operand column-major (they assert it); also set there.
+        self.column_major_weights = False
 
     def resolve_impl(self, x: torch.Tensor) -> str:
         if self.impl != "auto":
@@ -289,7 +386,28 @@ class GroupedExperts(nn.Module):
         return impl
 
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        return expert_matmuls(x_ND, counts_E, self.w1, self.w3, self.w2, self.resolve_impl(x_ND))
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        if self.column_major_weights:
+            w1, w3, w2 = (w.mT.contiguous().mT for w in (w1, w3, w2))
+        if self.group_alignment > 1:
+            x_ND, counts_E, rows_N = pad_groups(x_ND, counts_E, self.group_alignment)
+            return expert_matmuls(x_ND, counts_E, w1, w3, w2, self.resolve_impl(x_ND)).index_select(0, rows_N)
+        return expert_matmuls(x_ND, counts_E, w1, w3, w2, self.resolve_impl(x_ND))
+
+
+def pad_groups(x_ND: torch.Tensor, counts_E: torch.Tensor, alignment: int):
+    """(x_PD, counts_E, rows_N): every expert's rows padded with zero rows to a multiple of `alignment`, and where
+    each of the N rows went. P = N + E * (alignment - 1) rounded up to the alignment, a size known without a host
+    sync: the slack beyond the rounded groups goes to the last expert (still a multiple of the alignment)."""
+    N, E = x_ND.shape[0], counts_E.numel()
+    P = -(-(N + E * (alignment - 1)) // alignment) * alignment
+    padded_E = (counts_E + alignment - 1) // alignment * alignment
+    padded_E = torch.cat([padded_E[:-1], (P - padded_E[:-1].sum()).view(1)])
+    src_start_E = torch.cumsum(counts_E, 0) - counts_E
+    dst_start_E = torch.cumsum(padded_E, 0) - padded_E
+    expert_N = torch.repeat_interleave(torch.arange(E, device=x_ND.device), counts_E, output_size=N)
+    rows_N = dst_start_E[expert_N] + torch.arange(N, device=x_ND.device) - src_start_E[expert_N]
+    return x_ND.new_zeros(P, x_ND.shape[1]).index_copy(0, rows_N, x_ND), padded_E, rows_N
 
 
 def expert_matmuls(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD, impl: str) -> torch.Tensor:
@@ -301,8 +419,9 @@ def expert_matmuls(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD, impl: str) -> torch.T
     w1_EDF, w3_EDF, w2_EFD = w1_EDF.to(dtype), w3_EDF.to(dtype), w2_EFD.to(dtype)
     if impl == "grouped_mm":
         offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-        h_NF = _swiglu(F.grouped_mm(x_ND, w1_EDF, offs=offs_E), F.grouped_mm(x_ND, w3_EDF, offs=offs_E))
-        y_ND = F.grouped_mm(h_NF, w2_EFD, offs=offs_E)
+        # torch._grouped_mm rather than F.grouped_mm: torchao's FP8/MXFP8 weight wrappers intercept this op by name
+        h_NF = _swiglu(torch._grouped_mm(x_ND, w1_EDF, offs=offs_E), torch._grouped_mm(x_ND, w3_EDF, offs=offs_E))
+        y_ND = torch._grouped_mm(h_NF, w2_EFD, offs=offs_E)
         if y_ND.requires_grad:  # grouped_mm's backward rejects a stride-0 gradient (e.g. from y.sum())
             y_ND.register_hook(lambda g: g.contiguous())
         return y_ND
@@ -338,6 +457,7 @@ class MoE(nn.Module):
         super().__init__()
         m = cfg.moe
         self.num_experts, self.top_k = m.num_experts, m.top_k
+        self.pad_to_capacity = m.pad_to_capacity
         self.router = Router(cfg.dim, m)
         self.experts = GroupedExperts(m.num_experts, cfg.dim, m.ffn_dim, impl=m.expert_impl)
         self.shared_experts = FeedForward(cfg.dim, m.shared_width) if m.num_shared_experts else None
@@ -345,7 +465,13 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
-        routed = self.router(x_TD)
+        routed = self.router(x_TD, num_sequences=x.shape[0] if x.dim() == 3 else 1)
+        if self.pad_to_capacity:  # static shapes: every expert computes exactly its capacity (one process only)
+            tokens = sort_into_capacity(x_TD, routed.topk_idx, routed.topk_weights, self.num_experts, routed.capacity)
+            out_TD = weighted_sum_back(self.experts(tokens.x_ND, tokens.counts_E), tokens, x_TD)
+            if self.shared_experts is not None:
+                out_TD = out_TD + self.shared_experts(x_TD)
+            return out_TD.view_as(x)
         # route -> dispatch -> experts -> combine, per chunk of tokens. In one process there is one chunk and
         # every call completes at once. An expert-parallel dispatcher may split the tokens in several and keep
         # communication in flight: chunk i+1's dispatch and chunk i-1's combine travel while chunk i's experts

@@ -29,17 +29,20 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=4096, attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
         qk_rope_head_dim=64, v_head_dim=128,
         moe=MoEConfig(num_experts=256, top_k=8, ffn_dim=2048, num_shared_experts=1, first_k_dense=3,
-                      score_func="sigmoid", norm_topk_prob=True, route_scale=2.5, n_group=8, topk_group=4),
+                      score_func="sigmoid", norm_topk_prob=True, route_scale=2.5, n_group=8, topk_group=4,
+                      aux_loss_type="sequence", aux_loss_coef=1e-4),
     ),
     "qwen3-moe-30b-a3b": ModelConfig(
         name="qwen3-moe-30b-a3b", vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
         head_dim=128, ffn_dim=6144, rope_theta=1e6, max_seq_len=4096, qk_norm="per_head",
-        moe=MoEConfig(num_experts=128, top_k=8, ffn_dim=768, load_balance="none", aux_loss_coef=1e-3),
+        moe=MoEConfig(num_experts=128, top_k=8, ffn_dim=768, load_balance="none", aux_loss_coef=1e-3,
+                      aux_loss_type="global_batch"),
     ),
     "qwen3-moe-235b-a22b": ModelConfig(
         name="qwen3-moe-235b-a22b", vocab_size=151936, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
         head_dim=128, ffn_dim=12288, rope_theta=1e6, max_seq_len=4096, qk_norm="per_head",
-        moe=MoEConfig(num_experts=128, top_k=8, ffn_dim=1536, load_balance="none", aux_loss_coef=1e-3),
+        moe=MoEConfig(num_experts=128, top_k=8, ffn_dim=1536, load_balance="none", aux_loss_coef=1e-3,
+                      aux_loss_type="global_batch"),
     ),
     "mixtral-8x7b": ModelConfig(
         name="mixtral-8x7b", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
@@ -63,6 +66,9 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
+# Balance losses as their authors trained them: DeepSeek-V3 report sec. 2.1.2 and 4.2 (aux-loss-free bias plus the
+# sequence-wise loss, alpha 0.0001; its MTP module, model.mtp_depth = 1, is left out here so that the counts compare
+# with the 671B main model); Qwen3 report (arXiv:2505.09388) sec. 2: global-batch load balancing.
 # (total, active) as published. Sources:
 #  deepseek-v3: DeepSeek-V3 Technical Report (arXiv:2412.19437), abstract: 671B total, 37B activated.
 #  qwen3-moe-*: Qwen3 Technical Report (arXiv:2505.09388), Table 2: 30.5B/3.3B and 235B/22B.

@@ -21,6 +21,7 @@ from moeflow.models.kv_cache import KVCache, LayerCache
 from moeflow.models.layers import AttentionCore, RMSNorm, apply_rope, rope_tables
 from moeflow.models.mla import MultiHeadLatentAttention
 from moeflow.models.moe import FeedForward, GroupedExperts, MoE, Router
+from moeflow.models.mtp import MultiTokenPrediction
 
 
 class Attention(AttentionCore, nn.Module):
@@ -83,7 +84,13 @@ def build_attention(cfg: ModelConfig) -> nn.Module:
 
 class Transformer(nn.Module):
     """tokens [B, S] -> logits [B, S, V]. Without an embedding it takes hidden states [B, S, D];
-    without an output head it returns hidden states (pipeline stages)."""
+    without an output head it returns hidden states (pipeline stages).
+
+    With model.mtp_depth = D, the head's stage also holds the MTP modules (`mtp`, moeflow.models.mtp) and, in
+    training mode, returns the main logits followed by each depth's along the sequence: [B, S + (S-1) + ... +
+    (S-D), V]; in eval mode (and so at generation) only the main logits. The MTP modules need the token
+    embeddings, so a stage without the head returns (hidden, embeddings) and one without the embedding takes both.
+    """
 
     def __init__(self, cfg: ModelConfig, *, embed: bool = True, head: bool = True, layers: list[int] | None = None):
         super().__init__()
@@ -94,6 +101,10 @@ class Transformer(nn.Module):
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if head else None
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if head else None
+        # MTP depth k's block is numbered after the decoder layers, as in Hugging Face DeepSeek-V3 checkpoints.
+        self.mtp = nn.ModuleDict({
+            str(k): MultiTokenPrediction(cfg, TransformerBlock(cfg, cfg.n_layers + k)) for k in range(cfg.mtp_depth)
+        }) if head and cfg.mtp_depth else None
         if cfg.tie_embeddings and embed and head:
             self.output.weight = self.tok_embeddings.weight
         rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.hd
@@ -142,13 +153,18 @@ class Transformer(nn.Module):
                 f"raise model.max_seq_len or shorten data.seq_len"
             )
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
-        """positions: the position in its sequence of each of the S tokens given ([S], or [B, S] per row), for
+    def forward(self, tokens: torch.Tensor, embeddings: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                cache: KVCache | None = None):
+        """tokens [B, S] (or hidden states [B, S, D] on a later pipeline stage); embeddings: the token embeddings
+        MTP modules read, which a later pipeline stage receives (default: this stage's own).
+        positions: the position in its sequence of each of the S tokens given ([S], or [B, S] per row), for
         RoPE; default 0 .. S-1 (or after the cached ones). A caller holding part of a sequence (context
         parallelism) passes its tokens' positions and checks the whole length itself.
         document_ids [B, S]: attention only between positions of the same id (packed documents)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if embeddings is None:
+            embeddings = h
         S = h.shape[1]
         start = cache.length if cache is not None else 0
         if positions is None:
@@ -166,12 +182,27 @@ class Transformer(nn.Module):
             h = block(h, cos, sin, mask, cache.layer(key) if cache is not None else None)
         if cache is not None:
             cache.length += S
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return (h, embeddings) if self.cfg.mtp_depth else h
+        h = self.norm(h)
+        logits = self.output(h)
+        if self.mtp is None or not self.training:
+            return logits
+        parts = [logits]
+        for k, module in enumerate(self.mtp.values(), start=1):  # depth k predicts positions 0 .. S-1-k
+            h = module(h[:, :S - k], embeddings[:, k:], cos[..., :S - k, :], sin[..., :S - k, :])
+            parts.append(self.output(h))
+        return torch.cat(parts, dim=1)
 
     def moe_routers(self) -> list[tuple[str, Router]]:
         return [(n, m) for n, m in self.named_modules() if isinstance(m, Router)]
+
+
+def router_layer_index(name: str, n_layers: int) -> int:
+    """Global layer index of a router by its module name: 'layers.<i>....' is layer i, 'mtp.<k>....' is
+    n_layers + k (the numbering of Hugging Face DeepSeek-V3 checkpoints)."""
+    kind, index = name.split(".")[:2]
+    return int(index) + (n_layers if kind == "mtp" else 0)
 
 
 def _normal_(t: torch.Tensor, std: float, gen: torch.Generator | None) -> None:

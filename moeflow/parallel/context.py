@@ -160,12 +160,12 @@ def _attention_class(cls: type, group) -> type:
 
 
 def _stage_class(cls: type, rank: int, cp: int) -> type:
-    def forward(self, tokens, positions=None, **kwargs):
+    def forward(self, tokens, *args, positions=None, **kwargs):
         if positions is None:  # (given positions are this rank's already, e.g. per document)
             S = tokens.shape[1] * cp  # token ids [B, L], or hidden states [B, L, D]
             self.check_length(S)
             positions = local_positions(S, rank, cp, device=tokens.device)
-        return super(sub, self).forward(tokens, positions, **kwargs)
+        return super(sub, self).forward(tokens, *args, positions=positions, **kwargs)
 
     sub = type(f"ContextParallel{cls.__name__}", (cls,), {"forward": forward})
     return sub

@@ -132,6 +132,9 @@ def apply_expert_parallel(module: nn.Module, group=None, backend: str = "auto",
     for moe in [m for m in module.modules() if isinstance(m, MoE)]:
         if isinstance(moe.dispatcher, ExpertParallelDispatcher):
             raise ValueError("apply_expert_parallel: this MoE already moves tokens over an EP group; apply it once")
+        if moe.pad_to_capacity:
+            raise ValueError("apply_expert_parallel: model.moe.pad_to_capacity pads one process's experts and is not "
+                             "supported with expert parallelism yet; turn it off")
         buffer = Buffer(group, backend=backend, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
         buffer.check_num_experts(moe.num_experts)
         moe.experts = local_experts(moe.experts, buffer.rank, buffer.group_size)

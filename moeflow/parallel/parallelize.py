@@ -4,7 +4,9 @@ Order (each step sees the modules the previous one left): build the mesh (pp, dp
 -> pipeline split (this rank keeps its stages' layers; parameter names stay those of the full model) ->
 expert parallelism (each MoE keeps E/ep experts and swaps its dispatcher for a token mover) -> tensor +
 sequence parallelism by a plan that is data (moeflow.parallel.tensor) -> context parallelism (class swaps of
-the stage roots and attention modules, moeflow.parallel.context) -> activation checkpointing ->
+the stage roots and attention modules, moeflow.parallel.context) -> FP8 compute (moeflow.parallel.fp8: after EP,
+so only this rank's experts are wrapped, and before FSDP, which shards the wrapped weights) ->
+activation checkpointing ->
 torch.compile per block -> FSDP2: experts over what remains of the data-parallel ranks, then every block,
 then each stage root -> the step runner (a pipeline schedule, or plain micro-batches). At world size 1
 nothing is wrapped. The same order as TorchTitan's parallelize functions, for the same reasons: TP must see
@@ -27,8 +29,9 @@ from torch import nn
 from moeflow.layout import ParallelDims
 from moeflow.models.moe import GroupedExperts, MoE
 from moeflow.parallel.checkpointing import apply_activation_checkpointing
+from moeflow.parallel.fp8 import apply_fp8
 from moeflow.parallel.loss import tp_loss
-from moeflow.parallel.runner import LocalRunner
+from moeflow.parallel.runner import LocalRunner, MTPObjective
 from moeflow.parallel.state import ParallelState
 
 
@@ -58,6 +61,7 @@ def parallelize(
     pp_microbatch_shape: tuple | None = None,
     compile: bool = False,
     device_type: str | None = None,
+    fp8: str = "none",
 ) -> ParallelState:
     """Parallelize `model` (a moeflow Transformer, or a Hugging Face decoder) in place over the default process
     group; returns its ParallelState.
@@ -75,7 +79,8 @@ def parallelize(
     logits dtype) of one micro-batch, to skip torch's shape inference. loss_fn(logits, targets, reduction='sum') ->
     the summed loss over targets that are not -100 (default: moeflow.parallel.loss.tp_loss); the runner scales it
     (moeflow.parallel.runner). With cp > 1 feed each rank its part of every sequence, inputs, targets and positions
-    alike: `state.local_sequence(x_BS)`.
+    alike: `state.local_sequence(x_BS)`. With model.mtp_depth > 0 loss_fn is wrapped to add the MTP loss.
+    fp8: 'none', 'tensorwise', 'rowwise' or 'mxfp8' (moeflow.parallel.fp8).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     if dims is None:
@@ -87,14 +92,19 @@ def parallelize(
         raise ValueError(f"ParallelDims is for {dims.world_size} ranks but the process group has {world}")
     _check_model_object(model, dims)
     loss_fn = loss_fn or tp_loss
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and cfg.mtp_depth:
+        loss_fn = MTPObjective(loss_fn, cfg.mtp_depth, cfg.mtp_loss_coef)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     autocast = (functools.partial(torch.autocast, device_type, dtype=autocast_dtype) if autocast_dtype
                 else contextlib.nullcontext)
     state = ParallelState(model, dims)
     if world == 1:
+        apply_fp8(model, fp8, device_type)
         apply_activation_checkpointing(blocks(model), activation_checkpointing)
         _compile_blocks(model, compile)
-        state.runner = LocalRunner(model, loss_fn, microbatches, autocast)
+        state.runner = LocalRunner(model, loss_fn, microbatches, autocast,
+                                   count_first=_count_first(compile, activation_checkpointing))
         return state
 
     from moeflow.parallel.fsdp import apply_fsdp
@@ -128,11 +138,13 @@ def parallelize(
 
         state.cp_mesh = cp_mesh(mesh, dims)
         token_scale = apply_context_parallel(stages, state.cp_mesh)
+    apply_fp8(model, fp8, device_type)
     apply_activation_checkpointing(blocks(model), activation_checkpointing)
     _compile_blocks(model, compile)
     apply_fsdp(blocks(model), stages, dims, mesh, mixed_precision)
     if dims.fold_experts:
         _record_folded_moe_params(model, state)
+    balance_groups = _balance_groups(mesh, dims)
     if dims.pp > 1:
         from moeflow.parallel.pipeline import build_schedule
 
@@ -140,15 +152,49 @@ def parallelize(
                                                                                        torch.cuda.current_device())
         state.runner = build_schedule(stages, submesh(mesh, "pp").get_local_rank(), dims.pp,
                                       submesh(mesh, "pp").get_group(), device, dims.pp_schedule, microbatches,
-                                      loss_fn=loss_fn, microbatch_shape=pp_microbatch_shape if dims.tp == 1 else None)
+                                      loss_fn=loss_fn, microbatch_shape=pp_microbatch_shape if dims.tp == 1 else None,
+                                      balance_groups=balance_groups)
         state.runner.autocast = autocast
     else:
         # ZeRO-1 keeps the parameters gathered across the step's micro-batches (one all-gather per step); the
         # pipeline stages do the same by themselves (torch's PipelineStage).
-        state.runner = LocalRunner(model, loss_fn, microbatches, autocast, keep_gathered=dims.zero == 1)
+        state.runner = LocalRunner(model, loss_fn, microbatches, autocast, keep_gathered=dims.zero == 1,
+                                   balance_groups=balance_groups,
+                                   count_first=_count_first(compile, activation_checkpointing))
     if dims.cp > 1:
         state.runner.token_scale = token_scale
+    if dims.fold_experts:
+        _scale_folded_router_losses(stages, dims.tp)
     return state
+
+
+def _scale_folded_router_losses(stages: list[nn.Module], tp: int) -> None:
+    """With the MoE folded over tp, each tp rank's balance and z losses average its own tokens, and the router's
+    gradients are summed over the tp ranks: weight them 1/tp, so the sum is their mean (as over data-parallel
+    ranks; with the global-batch loss, exactly one process's gradient). After the runner, which sets the scale."""
+    seen: set[int] = set()
+    for stage in stages:
+        for moe in (m for m in stage.modules() if isinstance(m, MoE) and id(m) not in seen):
+            seen.add(id(moe))
+            moe.router.aux_loss_scale /= tp
+
+
+def _balance_groups(mesh, dims: ParallelDims) -> list:
+    """The process groups the global-batch balance loss sums expert loads over: the ranks of this stage that
+    route different tokens (data-parallel and context-parallel ranks; the tp ranks too when the MoE is folded over
+    them, each routing its slice of the sequence)."""
+    from moeflow.parallel.mesh import submesh
+
+    groups = [submesh(mesh, "dp_cp").get_group()] if dims.dp * dims.cp > 1 else []
+    if dims.fold_experts:
+        groups.append(submesh(mesh, "tp").get_group())
+    return groups
+
+
+def _count_first(compile: bool, activation_checkpointing: str) -> bool:
+    """Whether the global-batch balance loss needs its counting pass even with one forward per step: a compiled
+    block cannot read the loads late, and a recomputed one would see them already there and build another graph."""
+    return compile or activation_checkpointing != "none"
 
 
 def _record_folded_moe_params(model: nn.Module, state: ParallelState) -> None:
@@ -182,11 +228,12 @@ def _check_model_object(model: nn.Module, dims: ParallelDims) -> None:
 
 
 def blocks(model: nn.Module) -> dict[str, nn.Module]:
-    """{layer key: transformer block}: moeflow's `layers` ModuleDict, or a Hugging Face model's
-    `model.layers` ModuleList (the decoder layers FSDP wraps one by one)."""
+    """{layer key: transformer block}: moeflow's `layers` ModuleDict (and its MTP modules, keyed 'mtp.<k>'), or
+    a Hugging Face model's `model.layers` ModuleList (the decoder layers FSDP wraps one by one)."""
     layers = getattr(model, "layers", None)
     if isinstance(layers, nn.ModuleDict):
-        return dict(layers.items())
+        mtp = getattr(model, "mtp", None) or {}
+        return {**dict(layers.items()), **{f"mtp.{k}": module for k, module in mtp.items()}}
     inner = getattr(model, "model", None)
     if isinstance(getattr(inner, "layers", None), nn.ModuleList):
         return {str(i): block for i, block in enumerate(inner.layers)}

@@ -20,6 +20,11 @@ class used here (`_RouterLoadStage`) adds each router's `last_load` into a per-s
 each micro-batch forward (`forward_one_chunk`). That point excludes both other forwards torch runs:
 the metadata-inference pass on dummy inputs (first step, and after switching between eval and train)
 and activation recomputation (inside backward).
+
+Multi-token prediction: the MTP modules sit on the last stage with the output head (they share it), and read the
+token embeddings, which only the first stage computes; so with model.mtp_depth > 0 every stage but the last
+passes (hidden, embeddings) on, and the embeddings' gradient flows back along the pipeline to the first stage.
+Global-batch balance loss: the counting pass (moeflow.parallel.runner) is the schedule's forward-only mode.
 """
 
 from __future__ import annotations
@@ -51,7 +56,14 @@ from moeflow.layout.schedules import (
     stage_rank,
 )
 from moeflow.models.transformer import Transformer
-from moeflow.parallel.runner import local_token_scale, router_layers
+from moeflow.parallel.runner import (
+    MTPObjective,
+    clear_global_selections,
+    global_batch_routers,
+    local_token_scale,
+    router_layers,
+    supply_global_selections,
+)
 
 # The torch class that runs each schedule of moeflow.layout.schedules.SCHEDULES (all seven of torch 2.13's
 # schedules match the single-device model on CPU/gloo, tests/test_pp.py, with two workarounds below: V-schedule
@@ -109,7 +121,7 @@ def build_stage_modules(
     if not any(s.embed for s in specs):
         model.tok_embeddings = None
     if not any(s.head for s in specs):
-        model.norm = model.output = None
+        model.norm = model.output = model.mtp = None
     if len(specs) == 1:
         return [model]
     return [_stage_view(model, spec) for spec in specs]
@@ -122,7 +134,7 @@ def _stage_view(model: Transformer, spec: StageSpec) -> Transformer:
     if spec.embed:
         stage.tok_embeddings = model.tok_embeddings
     if spec.head:
-        stage.norm, stage.output = model.norm, model.output
+        stage.norm, stage.output, stage.mtp = model.norm, model.output, model.mtp
     stage.rope_cos, stage.rope_sin = model.rope_cos, model.rope_sin
     return stage
 
@@ -153,10 +165,13 @@ class _RouterLoadStage(PipelineStage):
         self.count_router_loads = False
         self.router_loads: dict[int, torch.Tensor] = {}
         self.router_dropped: dict[int, torch.Tensor] = {}
+        self.router_selected: dict[int, torch.Tensor] = {}  # top-k selections before drops (global-batch loss)
 
     def reset_router_loads(self) -> None:
-        self.router_loads = {i: torch.zeros(r.cfg.num_experts, device=self.device) for i, r in self.routers.items()}
-        self.router_dropped = {i: torch.zeros((), device=self.device) for i in self.routers}
+        zeros = lambda *shape: torch.zeros(*shape, device=self.device)  # noqa: E731
+        self.router_loads = {i: zeros(r.cfg.num_experts) for i, r in self.routers.items()}
+        self.router_dropped = {i: zeros(()) for i in self.routers}
+        self.router_selected = {i: zeros(r.cfg.num_experts) for i, r in self.routers.items()}
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
@@ -164,6 +179,7 @@ class _RouterLoadStage(PipelineStage):
             for i, router in self.routers.items():
                 self.router_loads[i] += router.last_load
                 self.router_dropped[i] += router.last_dropped
+                self.router_selected[i] += router.last_selected
         return output
 
     # torch 2.13's schedule.eval() of the V schedules (ZBVZeroBubble, DualPipeV) still walks the backward
@@ -181,7 +197,7 @@ class PipelineRunner:
     """One training or evaluation step of this rank's stages; built by `build_schedule`."""
 
     def __init__(self, schedule, stages: list[_RouterLoadStage], schedule_name: str, n_microbatches: int,
-                 pp_group, last_stage_rank: int, scaled_loss: _ScaledLoss):
+                 pp_group, last_stage_rank: int, scaled_loss: _ScaledLoss, balance_groups=()):
         self.schedule, self.stages, self.schedule_name = schedule, stages, schedule_name
         self.scaled_loss = scaled_loss
         self.token_scale = local_token_scale  # the default loss scale (moeflow.parallel.runner)
@@ -189,6 +205,10 @@ class PipelineRunner:
         self.has_first_stage = any(s.is_first for s in stages)
         self.has_last_stage = any(s.is_last for s in stages)
         self.autocast = contextlib.nullcontext  # the trainer's bf16 autocast covers the whole schedule step
+        self.objective = scaled_loss.loss_fn if isinstance(scaled_loss.loss_fn, MTPObjective) else None
+        self.balanced = global_batch_routers({i: r for s in stages for i, r in s.routers.items()})
+        self.balance_groups = list(balance_groups)
+        self._extra: dict[str, torch.Tensor] = {}
         for stage in stages:
             stage.reset_router_loads()
             for router in stage.routers.values():
@@ -207,19 +227,39 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
+        if self.objective is not None:
+            self.objective.reset()
         # model_kwargs (positions, document ids) are cut into micro-batches like the inputs and reach every stage
         run(*args, target=target, losses=losses if self.has_last_stage else None, return_outputs=False,
             **model_kwargs)
-        return torch.stack(losses).detach().mean() if self.has_last_stage else None
+        if not self.has_last_stage:
+            return None
+        if self.objective is not None:  # the main cross-entropy; the MTP loss is reported beside it
+            main, self._extra = self.objective.scaled(self.scaled_loss.scale)
+            return main
+        return torch.stack(losses).detach().mean()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale=None, **model_kwargs) -> torch.Tensor | None:
         """Forward + backward of this rank's batch in n_microbatches; gradients accumulate in .grad (of the
         summed loss x loss_scale). Returns that scaled loss on the rank holding the last stage, else None."""
+        clear_global_selections(self.balanced)
+        try:
+            if self.balanced:  # the counting pass: forward only, then one all-reduce per balance group
+                self._count(self.schedule.eval, inputs, targets, loss_scale, model_kwargs)
+                counts = {i: s.router_selected[i] for s in self.stages for i in s.routers if i in self.balanced}
+                supply_global_selections(self.balanced, counts, self.balance_groups)
+            return self._count(self.schedule.step, inputs, targets, loss_scale, model_kwargs)
+        finally:
+            clear_global_selections(self.balanced)
+
+    def _count(self, run, inputs, targets, loss_scale, model_kwargs) -> torch.Tensor | None:
+        """`run` with this rank's router loads summed over its micro-batch forwards."""
         for stage in self.stages:
             stage.reset_router_loads()
             stage.count_router_loads = True
         try:
-            return self._run(self.schedule.step, inputs, targets, loss_scale, model_kwargs)
+            with torch.no_grad() if run == self.schedule.eval else contextlib.nullcontext():
+                return self._run(run, inputs, targets, loss_scale, model_kwargs)
         finally:
             for stage in self.stages:
                 stage.count_router_loads = False
@@ -239,9 +279,13 @@ class PipelineRunner:
 
     # ---- the step-runner interface (moeflow.parallel.runner) --------------------------------------------
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale=None, **model_kwargs) -> torch.Tensor:
-        """`step`, then the last stage's scaled loss on every rank of the pp group."""
+        """`step`, then the last stage's scaled loss (and MTP loss) on every rank of the pp group."""
+        self._extra = {}
         with self.autocast():
             loss = self.step(inputs, targets, loss_scale, **model_kwargs)
+        if self.objective is not None:
+            extra = self._extra.get("mtp_loss") if self.has_last_stage else None
+            self._extra = {"mtp_loss": self.broadcast_loss(extra, inputs.device)}
         return self.broadcast_loss(loss, inputs.device)
 
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs) -> torch.Tensor:
@@ -257,6 +301,9 @@ class PipelineRunner:
             for i in stage.routers:
                 out[i] = (stage.router_loads[i], stage.router_dropped[i])
         return dict(sorted(out.items()))
+
+    def extra_losses(self) -> dict[str, torch.Tensor]:
+        return dict(self._extra)
 
 
 def _keep_fsdp_unsharded_in_step(stage_modules: Sequence[nn.Module]) -> None:
@@ -290,11 +337,14 @@ def _static_shapes(module, index: int, num_stages: int, device, microbatch_shape
     logits_dtype = rest[0] if rest else torch.float32  # bf16 under autocast; the residual stream stays fp32
     cfg = module.cfg
     first, last = index == 0, index == num_stages - 1
-    hidden_in = torch.empty(B, S, cfg.dim, device=device, requires_grad=True)  # gradients flow back
-    inputs = torch.zeros(B, S, dtype=torch.long, device=device) if first else hidden_in
-    outputs = (torch.empty(B, S, cfg.vocab_size, device=device, dtype=logits_dtype, requires_grad=True) if last
-               else torch.empty(B, S, cfg.dim, device=device, requires_grad=True))
-    return {"input_args": (inputs,), "output_args": (outputs,)}
+    hidden = lambda: torch.empty(B, S, cfg.dim, device=device, requires_grad=True)  # noqa: E731 (gradients flow back)
+    # with MTP every boundary carries (hidden, token embeddings), and the head's stage appends the MTP logits
+    carried = (hidden(), hidden()) if cfg.mtp_depth else (hidden(),)
+    inputs = (torch.zeros(B, S, dtype=torch.long, device=device),) if first else carried
+    positions = sum(S - k for k in range(cfg.mtp_depth + 1))
+    outputs = ((torch.empty(B, positions, cfg.vocab_size, device=device, dtype=logits_dtype, requires_grad=True),)
+               if last else carried)
+    return {"input_args": inputs, "output_args": outputs}
 
 
 def build_schedule(
@@ -307,6 +357,7 @@ def build_schedule(
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mean_cross_entropy,
     microbatch_shape: tuple | None = None,
+    balance_groups=(),
 ) -> PipelineRunner:
     """Wrap this rank's stage modules (as `build_stage_modules` returned them, after any FSDP / EP
     wrapping) in PipelineStages and the named schedule. `loss_fn(logits, targets, reduction='sum')` sums over
@@ -337,4 +388,5 @@ def build_schedule(
     else:
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=True)
     last_stage_rank = stage_rank(num_stages - 1, pp_size, num_stages, info.placement)
-    return PipelineRunner(schedule, stages, name, n_microbatches, pp_group, last_stage_rank, scaled_loss)
+    return PipelineRunner(schedule, stages, name, n_microbatches, pp_group, last_stage_rank, scaled_loss,
+                          balance_groups)

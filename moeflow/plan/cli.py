@@ -25,7 +25,8 @@ ASSUMPTIONS = [
     "TP and PP point-to-point communication are not overlapped with compute; EP neither unless --ep-overlap",
     "DP/ZeRO communication overlaps compute (not other communication); only the excess is exposed",
     "EP traffic from uniform routing with per-rank dedup inside a node, per-node dedup across nodes",
-    "bf16 weights and grads, fp32 AdamW state (16 bytes/param before sharding); fp8 speeds up matmuls only",
+    "bf16 weights and grads, fp32 AdamW state (16 bytes/param before sharding); fp8/mxfp8 change only the FLOP/s "
+    "of the matmuls training.fp8 converts (dense, attention and expert projections); EP traffic stays bf16",
     "optimizer step and data loading time not modelled",
 ]
 
@@ -76,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--global-batch-tokens", type=int, default=4 * 1024 * 1024,
                    help="tokens per optimizer step across the cluster, a multiple of --seq-len (default 4Mi)")
-    p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
-                   help="matmul precision: sets the peak FLOP/s used (default bf16)")
+    p.add_argument("--precision", choices=["bf16", "fp8", "mxfp8"], default="bf16",
+                   help="matmul precision, as training.fp8 runs it: fp8/mxfp8 time the dense, attention and expert "
+                        "matmuls at the fp8 peak and the router, output head and attention scores at bf16 "
+                        "(default bf16)")
     p.add_argument("--intra-gbps", type=float, help="override the intra-node GB/s per GPU per direction")
     p.add_argument("--inter-gbps", type=float, help="override the inter-node GB/s per GPU per direction")
     p.add_argument("--efficiency", type=float,

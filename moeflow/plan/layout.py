@@ -32,9 +32,19 @@ class ModelStats:
                                                   if cfg.is_moe_layer(i) else 0) for i in range(cfg.n_layers)]
         self.flops_per_token = cfg.flops_per_token(seq_len)
         n_matmul = cfg.num_active_params() - cfg.vocab_size * cfg.dim * (1 - cfg.tie_embeddings) - cfg.dim
+        n_matmul += cfg.mtp_depth * cfg.vocab_size * cfg.dim  # the head, once more per MTP depth
         self.attn_flops_per_token = self.flops_per_token - 6.0 * n_matmul  # the attention-score term
         # routed-expert matmuls run as grouped GEMMs whose row count is tokens per expert, not per GPU
-        self.routed_flops_per_token = 6.0 * moe.top_k * 3 * cfg.dim * moe.ffn_dim * sum(self.is_moe)
+        moe_blocks = sum(self.is_moe) + (cfg.mtp_depth if cfg.is_moe else 0)
+        self.routed_flops_per_token = 6.0 * moe.top_k * 3 * cfg.dim * moe.ffn_dim * moe_blocks
+        # what training.fp8 computes in FP8 besides the routed experts (moeflow.parallel.fp8): the decoder layers'
+        # attention projections, dense FFNs and shared experts; not the routers, the head, the MTP modules' dense
+        # layers, nor the attention scores (norm weights, counted in attention_params, are negligible here)
+        dense_ffn = sum(3 * cfg.dim * (moe.shared_width if m else cfg.ffn_dim) for m in self.is_moe)
+        self.fp8_dense_flops_per_token = 6.0 * (cfg.n_layers * cfg.attention_params() + dense_ffn)
+        # MTP modules sit with the head on the last stage: their parameters (dense part, routed experts)
+        mtp_routed = moe.num_experts * 3 * cfg.dim * moe.ffn_dim if cfg.is_moe else 0
+        self.mtp_params = (cfg.mtp_params() - cfg.mtp_depth * mtp_routed, cfg.mtp_depth * mtp_routed)
 
 
 @dataclass

@@ -56,6 +56,7 @@ def stage_params(job: Job, layers: range, first: bool, last: bool) -> tuple[int,
         dense += emb
     if last:
         dense += cfg.dim + (emb if not cfg.tie_embeddings or not first else 0)
+        dense, expert = dense + st.mtp_params[0], expert + st.mtp_params[1]  # MTP modules sit with the head
     st.cache[key] = dense, expert
     return dense, expert
 
@@ -143,7 +144,9 @@ def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
             acts += layer_activation_bytes(cfg, st.mlp_width[layers[-1]], job.seq_len, lay.micro_batch,
                                            lay.tp, "selective")
         if last:
-            acts += 4 * job.seq_len * lay.micro_batch * cfg.vocab_size / lay.tp  # fp32 logits
+            # fp32 logits, of the main head and of each MTP depth, whose block is one more layer of activations
+            acts += (1 + cfg.mtp_depth) * 4 * job.seq_len * lay.micro_batch * cfg.vocab_size / lay.tp
+            acts += cfg.mtp_depth * act_by_width[st.mlp_width[-1]] * in_flight
         # context parallelism: S/cp tokens per rank, plus the gathered keys and values of the layers that keep
         # them (one at a time while recomputing under full checkpointing)
         kv_layers = min(1, len(layers)) if ac == "full" else len(layers) * in_flight

@@ -52,7 +52,7 @@ def rates(job: Job) -> Rates:
     gpu, k = job.gpu, job.kernel_efficiency
     return Rates(matmul_flops=k * gpu.peak_flops(job.precision) * gpu.matmul_fraction(job.precision),
                  attention_flops=k * gpu.peak_flops("bf16") * ATTENTION_EFFICIENCY,
-                 hbm_bytes=k * gpu.hbm_gbps * 1e9, matmul_elt=1 if job.precision == "fp8" else 2)
+                 hbm_bytes=k * gpu.hbm_gbps * 1e9, matmul_elt=1 if job.precision in ("fp8", "mxfp8") else 2)
 
 
 def _layer_costs(job: Job, lay: Layout) -> tuple[FBW, FBW, FBW]:
@@ -81,7 +81,7 @@ def _ep_layer_seconds(job: Job, lay: Layout, links: Links) -> float:
         rpn = max(1, min(lay.ep, job.gpus_per_node // lay.tp))
         strategy = "node" if lay.ep > rpn else "rank"
         c_intra, c_inter = expected_uniform_copies(cfg.moe.num_experts, cfg.moe.top_k, lay.ep, rpn, strategy)
-        d_row, c_row = row_bytes(cfg.dim, cfg.moe.top_k, "fp8" if job.precision == "fp8" else "bf16")
+        d_row, c_row = row_bytes(cfg.dim, cfg.moe.top_k, "bf16")  # training.fp8 converts matmuls, not the EP wire
         tok = job.seq_len * lay.micro_batch / lay.tp
         cache[key] = sum(links.time(tok * c_intra * row, tok * c_inter * row) for row in (d_row, c_row))
     return cache[key]
@@ -116,9 +116,11 @@ def _rank_micro_batch(job: Job, lay: Layout, rank: tuple, links: Links) -> dict:
     cfg = job.model
     n_dense, n_moe, has_head, n_stages = rank[:4]
     dense, moe, head = _layer_costs(job, lay)
+    if has_head and cfg.mtp_depth:  # each MTP depth: one more block (an MoE one in an MoE model) and the head again
+        n_moe, n_dense = (n_moe + cfg.mtp_depth, n_dense) if cfg.is_moe else (n_moe, n_dense + cfg.mtp_depth)
     comp = dense.scale(n_dense) + moe.scale(n_moe)
     if has_head:
-        comp = comp + head
+        comp = comp + head.scale(1 + cfg.mtp_depth)
     # context parallelism: each cp rank computes 1/cp of every sequence (load-balanced causal chunks: the attention
     # too), and moves 1/cp of its activations
     comp = comp.scale(1 / lay.cp)

@@ -66,7 +66,7 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
                       autocast_dtype=torch.bfloat16 if bf16 else None, loss_fn=tp_loss, compile=t.compile,
                       pp_microbatch_shape=(batch.micro_batch, cfg.data.seq_len // dims.cp,
                                            torch.bfloat16 if bf16 else torch.float32),
-                      device_type="cpu" if device.type == "meta" else device.type)
+                      device_type="cpu" if device.type == "meta" else device.type, fp8=t.fp8)
     bytes_read = None
     if owned_read:
         from moeflow.train.hf_sharded import load_owned

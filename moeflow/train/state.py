@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from moeflow.parallel.fp8 import high_precision
+
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
@@ -73,6 +75,7 @@ def gather(parts: list[nn.Module], optimizer) -> dict[str, torch.Tensor]:
     flat: dict[str, torch.Tensor] = {}
 
     def put(key: str, fqn: str, value: torch.Tensor) -> None:
+        value = high_precision(value)  # FP8 is a compute format: checkpoints hold the high-precision tensors
         ids = _expert_ids(experts, fqn, value)
         if ids is None:
             flat[key] = value
@@ -101,6 +104,7 @@ def placeholders(parts: list[nn.Module], optimizer, saved_keys: set[str]) -> dic
     flat: dict[str, torch.Tensor] = {}
 
     def want(key: str, fqn: str, like: torch.Tensor) -> None:
+        like = high_precision(like)
         ids = _expert_ids(experts, fqn, like)
         if ids is None:
             flat[key] = torch.empty_like(like)

@@ -20,9 +20,10 @@ class NonFiniteLossError(RuntimeError):
 
 
 def moe_layers(cfg: JobConfig) -> list[int]:
-    """Global indices of the MoE layers: router statistics are packed by these on every rank, so the
-    one all-reduce has the same size whichever layers (pipeline stage) a rank holds."""
-    return [i for i in range(cfg.model.n_layers) if cfg.model.is_moe_layer(i)]
+    """Global indices of the MoE layers (MTP blocks after the decoder layers): router statistics are packed by
+    these on every rank, so the one all-reduce has the same size whichever layers (pipeline stage) a rank holds."""
+    m = cfg.model
+    return [i for i in range(m.n_layers + m.mtp_depth) if m.is_moe_layer(i)]
 
 
 def _local_bytes(tensors) -> int:
@@ -62,6 +63,7 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     # and accumulation (cp ranks hold parts of the same sequences).
     loss_scale = par.dims.dp * par.dims.cp / max(1, batch.global_tokens)
     loss = par.runner.train_step(batch.inputs, batch.targets, loss_scale, **batch.model_kwargs())
+    extra = par.runner.extra_losses()  # {"mtp_loss": ...}: like the loss, the same on every rank
     for layer, (load_E, drop) in par.runner.router_loads().items():
         loads[row_of[layer]] += load_E
         dropped[row_of[layer]] += drop
@@ -69,7 +71,8 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     grad_norm = clip_grad_norm_(model, clip, par)
     # One all-reduce for everything logged; its .tolist() is the step's one host sync, needed anyway
     # for the non-finite check (every rank must take the same decision) and the progress bar.
-    packed = all_reduce_sum(torch.cat([loss.view(1), dropped, loads.flatten()]))
+    packed = all_reduce_sum(torch.cat([loss.view(1), dropped, loads.flatten(),
+                                       *(v.float().view(1).to(loss.device) for v in extra.values())]))
     # Every rank holds the loss, and with the MoE replicated over tp every tp rank routes all of its dp rank's
     # tokens: divide the copies out.
     tp = par.dims.moe_token_copies
@@ -90,8 +93,9 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     s.optimizer.zero_grad(set_to_none=True)
     s.scheduler.step()
     out = {"loss": loss_value, "lr": lr, "grad_norm": gn, "skipped": not finite, "grad_bytes": grad_bytes}
+    out["losses"] = {k: v / s.info.world_size for k, v in zip(extra, numbers[len(numbers) - len(extra):])}
     if layers:
-        global_loads = packed[1 + len(dropped):].view(len(layers), E) / tp
+        global_loads = packed[1 + len(dropped):1 + len(dropped) + len(layers) * E].view(len(layers), E) / tp
         routers = router_layers([model])
         for layer, r in routers.items():
             r.update_bias(global_loads[row_of[layer]])
@@ -102,9 +106,10 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
 
 
 def _moe_stats(cfg: JobConfig, routers, layers, loads_LE, dropped) -> dict:
-    assignments = cfg.training.global_batch * cfg.data.seq_len * cfg.model.moe.top_k
     stats = {}
     for layer, load_E, drop in zip(layers, loads_LE, dropped):
+        depth = max(0, layer - cfg.model.n_layers + 1)  # MTP depth k routes the S - k positions it predicts from
+        assignments = cfg.training.global_batch * (cfg.data.seq_len - depth) * cfg.model.moe.top_k
         stats[str(layer)] = {
             "tokens_per_expert": [int(x) for x in load_E.tolist()],
             "max_over_mean": float(load_E.max() / load_E.mean().clamp(min=1e-9)),

@@ -107,7 +107,7 @@ def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, pr
             record = {
                 "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
                 "mfu": tokens_per_s * flops_per_token / (peak * info.world_size) if peak else "unknown",
-                "peak_memory_mb": peak_memory_mb(info.device),
+                "peak_memory_mb": peak_memory_mb(info.device), **out.get("losses", {}),
             }
             if out["skipped"]:
                 record["skipped"] = True
