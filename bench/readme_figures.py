@@ -145,8 +145,9 @@ def plan() -> str:
     return f"Spearman {r['spearman']:.2f} over {len(r['rows'])} one-process layouts"
 
 
-TRAIN_NOTES = {"dp2 zero2": "at rest", "tp2": "MoE layers replicated over tp", "pp2 1F1B": "embedding / head stages",
-               "hsdp 2x2": "two replicas"}
+TRAIN_NOTES = {"dp2 zero2": "at rest", "tp2 moe replicated": "MoE layers replicated over tp, the old default",
+               "tp2": "MoE folded: experts over the tp ranks", "pp2 1F1B": "embedding / head stages",
+               "hsdp 2x2": "two replicas", "zero1 pp2": "at rest; embedding / head stages"}
 
 
 def train_layouts() -> str:

@@ -34,11 +34,13 @@ MODEL = ["--model.name=tiny-moe", "--model.n_layers=4", "--data.seq_len=64", "--
 LAYOUTS = {
     1: {"1 process": []},
     2: {"dp2 zero1": ["--parallel.zero=1"], "dp2 zero2": ["--parallel.zero=2"], "dp2 zero3": [],
-        "ep2": ["--parallel.ep=2"], "tp2": ["--parallel.tp=2"], "pp2 1F1B": ["--parallel.pp=2"],
-        "cp2": ["--parallel.cp=2"]},
+        "ep2": ["--parallel.ep=2"], "tp2": ["--parallel.tp=2"],
+        "tp2 moe replicated": ["--parallel.tp=2", "--parallel.ep_over_tp=false"], "pp2 1F1B": ["--parallel.pp=2"],
+        "zero1 pp2": ["--parallel.zero=1", "--parallel.pp=2"], "cp2": ["--parallel.cp=2"]},
     4: {"dp4 zero3": [], "hsdp 2x2": ["--parallel.dp_replicate=2"], "ep2 x dp4": ["--parallel.ep=2"],
         "ep4": ["--parallel.ep=4"], "tp2 x dp2": ["--parallel.tp=2"], "pp2 x dp2": ["--parallel.pp=2"],
-        "tp2 x pp2": ["--parallel.tp=2", "--parallel.pp=2"], "cp2 x ep2": ["--parallel.cp=2", "--parallel.ep=2"]},
+        "tp2 x pp2": ["--parallel.tp=2", "--parallel.pp=2"], "cp2 x ep2": ["--parallel.cp=2", "--parallel.ep=2"],
+        "zero1 pp2 x dp2": ["--parallel.zero=1", "--parallel.pp=2"]},
 }
 
 
