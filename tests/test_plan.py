@@ -470,6 +470,13 @@ def test_fp8_speeds_up_matmuls_only():
     # H100 SXM large-matmul rates measured by MAMF: bf16 794.5 of 989, fp8 1402.6 of 1979 TFLOP/s
     assert fp8.matmul_flops / bf16.matmul_flops == pytest.approx(1402.6 / 794.5, rel=0.005)
     assert scores_cost(cfg, 4096, 1, 1, fp8, True) == scores_cost(cfg, 4096, 1, 1, bf16, True)
+    # training.fp8 keeps the output head in bf16: its cost does not change, a layer's falls
+    from moeflow.plan.time import _layer_costs
+
+    lay = Layout(1, 8, 1, 1, 1, 3, 1, "none")
+    (dense8, _, head8), (dense16, _, head16) = (_layer_costs(job_for(cfg, "H100-80GB", precision=p), lay)
+                                                for p in ("fp8", "bf16"))
+    assert head8 == head16 and dense8.total < dense16.total
     # MXFP8 (training.fp8 = 'mxfp8') needs Blackwell's block-scaled tensor cores
     with pytest.raises(ValueError, match="no MXFP8 tensor cores"):
         job_for(cfg, "H100-80GB", precision="mxfp8").validate()

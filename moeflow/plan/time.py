@@ -48,11 +48,12 @@ def ring_time(nbytes: float, n: int, factor: float, bw_gbps: float, alpha: float
     return alpha * (n - 1) * factor + factor * (n - 1) / n * nbytes / (bw_gbps * 1e9)
 
 
-def rates(job: Job) -> Rates:
-    gpu, k = job.gpu, job.kernel_efficiency
-    return Rates(matmul_flops=k * gpu.peak_flops(job.precision) * gpu.matmul_fraction(job.precision),
+def rates(job: Job, precision: str | None = None) -> Rates:
+    """The GPU's rates with matmuls in `precision` (default the job's)."""
+    gpu, k, precision = job.gpu, job.kernel_efficiency, precision or job.precision
+    return Rates(matmul_flops=k * gpu.peak_flops(precision) * gpu.matmul_fraction(precision),
                  attention_flops=k * gpu.peak_flops("bf16") * ATTENTION_EFFICIENCY,
-                 hbm_bytes=k * gpu.hbm_gbps * 1e9, matmul_elt=1 if job.precision in ("fp8", "mxfp8") else 2)
+                 hbm_bytes=k * gpu.hbm_gbps * 1e9, matmul_elt=1 if precision in ("fp8", "mxfp8") else 2)
 
 
 def _layer_costs(job: Job, lay: Layout) -> tuple[FBW, FBW, FBW]:
@@ -66,7 +67,7 @@ def _layer_costs(job: Job, lay: Layout) -> tuple[FBW, FBW, FBW]:
         fa = job.flash_attention
         cache[key] = (layer_cost(cfg, False, s, b, t, ep, ac, r, fa),
                       layer_cost(cfg, True, s, b, t, ep, ac, r, fa) if cfg.is_moe else FBW(),
-                      head_cost(cfg, s, b, t, r))
+                      head_cost(cfg, s, b, t, rates(job, "bf16")))  # training.fp8 keeps the head in bf16
     return cache[key]
 
 

@@ -38,7 +38,7 @@ def launch(nproc: int, rest: list[str], run_dir: str, max_restarts: int) -> int:
     stopped.unlink(missing_ok=True)
     os.environ[faults.LAUNCHER_ENV] = "1"  # the ranks inherit it
     # The agent shares its TCP store with the ranks by default, and a restarted rank can then read a dead rank's
-    # address from the previous attempt and fail to connect (seen here with torch 2.13; pytorch issue 135712).
+    # address from the previous attempt and fail to connect (seen here with torch 2.13; pytorch/pytorch#135712).
     # Unshared, every attempt gets a store of its own.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
