@@ -146,8 +146,9 @@ def plan() -> str:
 
 
 TRAIN_NOTES = {"dp2 zero2": "at rest", "tp2 moe replicated": "MoE layers replicated over tp, the old default",
-               "tp2": "MoE folded: experts over the tp ranks", "pp2 1F1B": "embedding / head stages",
-               "hsdp 2x2": "two replicas", "zero1 pp2": "at rest; embedding / head stages"}
+               "tp2": "MoE folded: experts over the tp ranks, shared experts sharded over them",
+               "pp2 1F1B": "embedding / head stages", "hsdp 2x2": "two replicas",
+               "zero1 pp2": "at rest; embedding / head stages"}
 
 
 def train_layouts() -> str:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moeflow.ep.buffer import Buffer, EventOverlap
-from moeflow.models.moe import Dispatched, GroupedExperts, MoE, sort_by_expert, weighted_sum_back
+from moeflow.models.moe import Dispatched, FeedForward, GroupedExperts, MoE, sort_by_expert, weighted_sum_back
 
 
 class ExpertParallelDispatcher:
@@ -144,23 +144,35 @@ def apply_expert_parallel(module: nn.Module, group=None, backend: str = "auto",
 
 
 class _InputsHiddenFromFSDP:
-    """(x, counts) in a container FSDP2's pytree walk does not open."""
+    """Positional inputs in a container FSDP2's pytree walk does not open."""
 
-    def __init__(self, x_ND: torch.Tensor, counts_E: torch.Tensor):
-        self.x_ND, self.counts_E = x_ND, counts_E
+    def __init__(self, args: tuple):
+        self.args = args
 
 
-class DeferredSyncExperts(GroupedExperts):
-    """GroupedExperts whose inputs FSDP2 cannot see, so its pre-forward hook registers no mid-backward
-    reduce-scatter for them: the root's final callback reduces these experts after backward, at the same point
-    on every rank. Needed on gloo, whose collectives block: FSDP's expert reduce-scatter / replica all-reduce
-    and EP's all-to-alls (another group) otherwise come out in different orders on different ranks and
-    deadlock. Installed by swapping the class (no attribute is added), before fully_shard."""
+class _DeferredSync:
+    """A module whose inputs FSDP2 cannot see, so its pre-forward hook registers no mid-backward reduction for
+    its parameters: the root's final callback reduces them after backward, at the same point on every rank.
+    Needed on gloo, whose collectives block: FSDP's reduce-scatter / replica all-reduce and EP's all-to-alls
+    (another group) otherwise come out in different orders on different ranks and deadlock. Installed by swapping
+    the class (no attribute is added), before fully_shard; mixed in before the module's own class."""
 
-    def __call__(self, x_ND, counts_E=None):
-        if isinstance(x_ND, _InputsHiddenFromFSDP):
-            return super().__call__(x_ND)
-        return super().__call__(_InputsHiddenFromFSDP(x_ND, counts_E))
+    def __call__(self, *args):
+        if len(args) == 1 and isinstance(args[0], _InputsHiddenFromFSDP):
+            return super().__call__(*args)
+        return super().__call__(_InputsHiddenFromFSDP(args))
 
     def forward(self, hidden: _InputsHiddenFromFSDP) -> torch.Tensor:
-        return super().forward(hidden.x_ND, hidden.counts_E)
+        return super().forward(*hidden.args)
+
+
+class DeferredSyncExperts(_DeferredSync, GroupedExperts):
+    """GroupedExperts reduced after backward (see _DeferredSync): the routed experts, whose backward runs between
+    EP's all-to-alls."""
+
+
+class DeferredSyncSharedExperts(_DeferredSync, FeedForward):
+    """A folded MoE's shared experts reduced after backward (see _DeferredSync): FSDP shards them over the
+    dp x cp x tp ranks, a group that overlaps the ep x tp group whose all-to-alls the routed branch's backward
+    issues; the two branches are independent, so where autograd reaches the shared experts' input gradient among
+    those all-to-alls is the engine's choice, not moeflow's. After backward, the order is fixed."""

@@ -1,5 +1,5 @@
-"""FSDP2 over the data- and context-parallel ranks: experts over what EP leaves of them, then every block, then each
-stage root.
+"""FSDP2 over the data- and context-parallel ranks: experts over what EP leaves of them, a folded MoE's shared experts
+over them times tp, then every block, then each stage root.
 
 ZeRO-3 reshards parameters after forward; ZeRO-2 keeps them gathered until backward (`reshard_after_forward`).
 """
@@ -13,8 +13,8 @@ from torch.distributed.tensor import Shard
 
 from moeflow.layout import ParallelDims
 from moeflow.models.moe import MoE
-from moeflow.parallel.expert import DeferredSyncExperts, ExpertParallelDispatcher
-from moeflow.parallel.mesh import submesh
+from moeflow.parallel.expert import DeferredSyncExperts, DeferredSyncSharedExperts, ExpertParallelDispatcher
+from moeflow.parallel.mesh import folded_moe_mesh, submesh
 
 
 def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: ParallelDims, mesh,
@@ -25,34 +25,57 @@ def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: Para
     # the data-parallel ranks and the context-parallel ones: both hold replicas of the dense weights
     dp_mesh = (submesh(mesh, "dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else
                submesh(mesh, "dp_shard_cp"))
-    expert_mesh = submesh(mesh, "dp_replicate", "efsdp") if dims.dp_replicate > 1 else submesh(mesh, "efsdp")
     for block in blocks.values():
         for moe in (m for m in block.modules() if isinstance(m, MoE)):
-            if not isinstance(moe.dispatcher, ExpertParallelDispatcher):
-                continue  # experts without EP are sharded with their block
-            experts = moe.experts
-            if dims.efsdp > 1 or dims.dp_replicate > 1 or moe.dispatcher.num_chunks > 1:
-                # Reduce the experts after backward, at the same point on every rank, instead of mid-backward
-                # (see DeferredSyncExperts): FSDP's expert reduce-scatter / replica all-reduce and EP's all-to-alls
-                # run on different groups, and ranks that issue them in different orders deadlock (seen on gloo,
-                # whose collectives block; NCCL kernels of different communicators wait on each other the same
-                # way). On every device, so the path the tests run is the one GPUs run. Chunked layers call the
-                # experts once per chunk: one reduction after backward rather than one per call.
-                experts.__class__ = DeferredSyncExperts
-            fully_shard(experts, mesh=expert_mesh, shard_placement_fn=balanced_shard(expert_mesh.size()), **fsdp)
-            # FSDP averages over the expert mesh (dp x cp / ep ranks), but each expert's gradient sums the tokens
-            # of all dp x cp ranks (they arrive through the EP group): divide by dp x cp instead.
-            experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
-            if dims.efsdp > 1:
-                # Sum, then divide locally (gloo has no PREMUL_SUM; on NCCL the same result in fp32), on every
-                # device so the tested path is the one GPUs run. Not when the reduce-scatter group has one rank:
-                # torch 2.13 then divides in its local copy and again after (found by tests/test_layouts.py:
-                # expert gradients came out 1/dp of the right ones).
-                experts.set_force_sum_reduction_for_comms(True)
+            if dims.fold_experts and moe.shared_experts is not None:
+                _shard_folded_shared_experts(moe, dims, mesh, fsdp)
+            if isinstance(moe.dispatcher, ExpertParallelDispatcher):  # else sharded with their block
+                _shard_experts(moe, dims, mesh, fsdp)
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=balanced_shard(dp_mesh.size()), **fsdp)
     # Each stage root gathers its embedding / norm / head; the container of several stages is not run.
     for stage in stages:
         fully_shard(stage, mesh=dp_mesh, shard_placement_fn=balanced_shard(dp_mesh.size()), **fsdp)
+
+
+def _shard_experts(moe: MoE, dims: ParallelDims, mesh, fsdp: dict) -> None:
+    """The routed experts of an expert-parallel MoE, over what EP leaves of the data-parallel ranks."""
+    expert_mesh = submesh(mesh, "dp_replicate", "efsdp") if dims.dp_replicate > 1 else submesh(mesh, "efsdp")
+    experts = moe.experts
+    if dims.efsdp > 1 or dims.dp_replicate > 1 or moe.dispatcher.num_chunks > 1:
+        # Reduce the experts after backward, at the same point on every rank, instead of mid-backward
+        # (see DeferredSyncExperts): FSDP's expert reduce-scatter / replica all-reduce and EP's all-to-alls
+        # run on different groups, and ranks that issue them in different orders deadlock (seen on gloo,
+        # whose collectives block; NCCL kernels of different communicators wait on each other the same
+        # way). On every device, so the path the tests run is the one GPUs run. Chunked layers call the
+        # experts once per chunk: one reduction after backward rather than one per call.
+        experts.__class__ = DeferredSyncExperts
+    fully_shard(experts, mesh=expert_mesh, shard_placement_fn=balanced_shard(expert_mesh.size()), **fsdp)
+    # FSDP averages over the expert mesh (dp x cp / ep ranks), but each expert's gradient sums the tokens
+    # of all dp x cp ranks (they arrive through the EP group): divide by dp x cp instead.
+    experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
+    if dims.efsdp > 1:
+        # Sum, then divide locally (gloo has no PREMUL_SUM; on NCCL the same result in fp32), on every
+        # device so the tested path is the one GPUs run. Not when the reduce-scatter group has one rank:
+        # torch 2.13 then divides in its local copy and again after (found by tests/test_layouts.py:
+        # expert gradients came out 1/dp of the right ones).
+        experts.set_force_sum_reduction_for_comms(True)
+
+
+def _shard_folded_shared_experts(moe: MoE, dims: ParallelDims, mesh, fsdp: dict) -> None:
+    """The shared experts of an MoE folded over tp, over the dp x cp x tp ranks (folded_moe_mesh) rather than
+    replicated on every tp rank: each tp rank runs them whole on its own sequence slice, so over tp they are
+    data-parallel like over dp x cp, and ZeRO can shard them there too (Megatron's MoE parallel folding)."""
+    shared = moe.shared_experts
+    # Reduced after backward, at a fixed point (DeferredSyncSharedExperts): the reduce-scatter's group holds the
+    # tp ranks, whose EP all-to-alls the routed branch's backward issues on another group meanwhile.
+    shared.__class__ = DeferredSyncSharedExperts
+    shared_mesh = folded_moe_mesh(mesh, dims)
+    fully_shard(shared, mesh=shared_mesh, shard_placement_fn=balanced_shard(shared_mesh.size()), **fsdp)
+    # Each tp rank's gradient covers its own tokens: summed over tp, averaged over the dp x cp ranks, as the
+    # router's and the dense weights' are. Summed and divided locally, as the experts' (gloo has no PREMUL_SUM);
+    # the reduce-scatter group has tp > 1 ranks, so torch divides once.
+    shared.set_gradient_divide_factor(float(dims.dp * dims.cp))
+    shared.set_force_sum_reduction_for_comms(True)
 
 
 def balanced_shard(ranks: int):

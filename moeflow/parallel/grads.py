@@ -18,17 +18,21 @@ from moeflow.parallel.state import ParallelState
 
 
 def _spans_tp(mesh, tp_ranks: list[int], cache: dict) -> bool:
-    """Whether one of the mesh's dims is the tp dim (the same ranks as tp_mesh), by ranks rather than by names."""
+    """Whether one of the mesh's dims covers the tp ranks (by ranks rather than by names): the tp dim itself, or a
+    flattened dim that holds it (a folded MoE's shared experts are sharded over dp_shard_cp_tp). Its placement then
+    says which of the tp ranks count an element: all of them when sharded, coordinate 0 when replicated."""
     key = id(mesh)
     if key not in cache:
-        cache[key] = any(dist.get_process_group_ranks(mesh.get_group(d)) == tp_ranks for d in range(mesh.ndim))
+        cache[key] = any(set(tp_ranks) <= set(dist.get_process_group_ranks(mesh.get_group(d)))
+                         for d in range(mesh.ndim))
     return cache[key]
 
 
 def reduce_tp_partial_grads(state: ParallelState) -> None:
-    """Sum over the tp ranks the gradients that are partial there (the folded MoE's router and shared experts,
-    each tp rank's from its own tokens), in one flat all-reduce; a no-op otherwise. Once per step: a gradient
-    already summed (same tensor, same version) is not summed again, so calling it twice is safe."""
+    """Sum over the tp ranks the gradients that are partial there (the folded MoE's router, each tp rank's from
+    its own tokens; FSDP's reduce-scatter sums the shared experts'), in one flat all-reduce; a no-op otherwise.
+    Once per step: a gradient already summed (same tensor, same version) is not summed again, so calling it
+    twice is safe."""
     done = state.tp_reduced
 
     def summed(p) -> bool:  # this very gradient tensor, unchanged since it was summed (an id could be reused)
@@ -55,8 +59,10 @@ def grad_norm_sq_local(model: nn.Module, tp_mesh=None, distinct_over_tp: set[int
 
     A gradient element held by several ranks is counted on one of them: for a DTensor, only the ranks at
     coordinate 0 of each mesh dim whose placement is Replicate count it (tp for SequenceParallel norms,
-    dp_replicate under HSDP); a parameter that tensor parallelism left unsharded (plain, or a DTensor on a mesh
-    without the tp dim, e.g. MoE parameters after FSDP) is replicated over tp and counted on tp rank 0 only.
+    dp_replicate under HSDP; a mesh dim that contains the tp ranks, as a folded MoE's shared experts' does, places
+    them too); a parameter that tensor parallelism left unsharded (plain, or a DTensor on a mesh without such a
+    dim, e.g. the MoE router after FSDP) is replicated over tp and counted on tp rank 0 only, unless it is in
+    `distinct_over_tp` (a folded MoE's experts: other ones on each tp rank).
     Partial gradients (SequenceParallel norm weights when no FSDP reduces them) are all-reduced first and
     replaced by the reduced ones, so every rank must call this, in the same order of parameters.
     """

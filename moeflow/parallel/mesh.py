@@ -1,5 +1,6 @@
 """The DeviceMesh of a ParallelDims: dims (pp, dp_replicate, efsdp, ep, tp), plus flattened dp_shard_cp and dp_cp
-views, the cp mesh, and ep_tp (the expert-parallel group) when the experts are folded over the tp ranks.
+views, the cp mesh, and, when the MoE is folded over the tp ranks, ep_tp (the expert-parallel group) and
+dp_shard_cp_tp (what FSDP shards the folded MoE's shared experts over).
 
 efsdp x ep covers the dp_shard x cp ranks (both are row-major splits of the same block, cp innermost), so expert
 parallelism can borrow context-parallel ranks; without cp, dp_shard_cp is dp_shard and dp_cp is dp.
@@ -23,12 +24,21 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     mesh["dp_replicate", "efsdp", "ep"]._flatten("dp_cp")
     if dims.fold_experts:
         mesh["ep", "tp"]._flatten("ep_tp")
+        mesh["efsdp", "ep", "tp"]._flatten("dp_shard_cp_tp")
     return mesh
 
 
 def expert_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """The ranks the experts are spread over: ep, or ep x tp when folded."""
     return submesh(mesh, "ep_tp" if dims.fold_experts else "ep")
+
+
+def folded_moe_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The ranks the shared experts of a folded MoE are data-parallel over: each tp rank computes them whole on its
+    own tokens, as each dp x cp rank does, so FSDP shards them over dp_shard x cp x tp (dp_replicate: HSDP)."""
+    if dims.dp_replicate > 1:
+        return submesh(mesh, "dp_replicate", "dp_shard_cp_tp")
+    return submesh(mesh, "dp_shard_cp_tp")
 
 
 def cp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

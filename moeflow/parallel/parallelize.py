@@ -198,12 +198,14 @@ def _count_first(compile: bool, activation_checkpointing: str) -> bool:
 
 
 def _record_folded_moe_params(model: nn.Module, state: ParallelState) -> None:
-    """With the MoE folded over tp, each tp rank's router and shared experts see only its own tokens (their
-    gradients are summed over tp after backward), and each tp rank holds other experts (their gradients are
-    distinct, not copies). Recorded after FSDP, whose parameters they are by then."""
+    """With the MoE folded over tp, each tp rank's router sees only its own tokens (its gradient is summed over tp
+    after backward), and each tp rank holds other experts (their gradients are distinct, not copies). The shared
+    experts are neither: FSDP shards them over dp x cp x tp and its reduce-scatter sums them (moeflow.parallel.fsdp).
+    Recorded after FSDP, whose parameters they are by then."""
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         state.tp_distinct += list(moe.experts.parameters())
-        state.tp_partial += [p for name, p in moe.named_parameters() if not name.startswith("experts.")]
+        state.tp_partial += [p for name, p in moe.named_parameters()
+                             if not name.startswith(("experts.", "shared_experts."))]
 
 
 def _check_model_object(model: nn.Module, dims: ParallelDims) -> None:

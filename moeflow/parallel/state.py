@@ -18,8 +18,8 @@ class ParallelState:
     mesh: Any = None  # DeviceMesh (pp, dp_replicate, efsdp, ep, tp) with dp_shard_cp / dp_cp views; None at world 1
     runner: Any = None  # the step runner: moeflow.parallel.runner.LocalRunner or pipeline.PipelineRunner
     tp_mesh: Any = None  # the 1-D tensor-parallel mesh when tp > 1
-    # MoE folded over tp: parameters whose gradients are partial sums over the tp ranks (router, shared experts)
-    # and parameters that differ between tp ranks (their experts); see moeflow.parallel.grads.
+    # MoE folded over tp: parameters whose gradients are partial sums over the tp ranks (the router; FSDP sums the
+    # shared experts') and parameters that differ between tp ranks (their experts); see moeflow.parallel.grads.
     tp_partial: list = field(default_factory=list)
     tp_distinct: list = field(default_factory=list)
     tp_reduced: dict = field(default_factory=dict)  # id(param) -> (weakref, version) of its gradient once summed

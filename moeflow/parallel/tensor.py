@@ -35,8 +35,9 @@ get the same plan by their module names, sequence parallelism included: their de
 on the residual, which works on DTensors, and their rotary module sees the global shape.
 
 MoE under TP, two ways (parallel.ep_over_tp). Folded (the default under parallelize): each tp rank routes its own
-S/tp tokens, the experts are spread over the ep x tp ranks, and the router's and shared experts' gradients, each
-from one rank's tokens, are summed over tp after backward; `Router.last_load` counts each token once. Replicated:
+S/tp tokens, the experts are spread over the ep x tp ranks, the router's gradient, from one rank's tokens, is
+summed over tp after backward, and the shared experts, data-parallel over tp, are FSDP-sharded over dp x cp x tp
+(moeflow.parallel.fsdp; its reduce-scatter sums them); `Router.last_load` counts each token once. Replicated:
 expert compute is repeated tp-fold, every tp rank's MoE parameters get the same gradient (the same full sequence
 and the same output gradient reach each), so no reduction over tp is needed -- nor for the router's aux loss,
 which each rank computes on the same tokens; `Router.last_load` counts every token once per tp rank.
@@ -128,7 +129,8 @@ class LocalTokens(ParallelStyle):
     communication: the MoE layer's tokens enter as the sequence-parallel shard (Megatron's "MoE parallel folding"),
     and expert parallelism over the tp ranks (moeflow.parallel.expert) moves them to their experts. The module's
     replicated parameters (router, shared experts) then get only this rank's tokens' gradient: parallelize
-    records them and sums their gradients over the tp ranks after backward (moeflow.parallel.grads)."""
+    sums the router's over the tp ranks after backward (moeflow.parallel.grads) and shards the shared experts
+    with FSDP over the dp x cp x tp ranks, whose reduce-scatter sums theirs (moeflow.parallel.fsdp)."""
 
     def __init__(self, *, sequence_dim: int = 1):
         super().__init__()

@@ -25,11 +25,12 @@ class ModelStats:
         self.mlp_width = [moe.top_k * moe.ffn_dim + moe.shared_width if cfg.is_moe_layer(i) else cfg.ffn_dim
                           for i in range(cfg.n_layers)]
         self.is_moe = [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
-        # What every tp rank holds whole (the trainer's plan): the norms, and an MoE layer's router and shared
-        # experts (the MoE takes each rank's sequence slice; its routed experts are spread over ep x tp).
+        # What every tp rank holds whole (the trainer's plan): the norms, and an MoE layer's router (the MoE takes
+        # each rank's sequence slice; its routed experts are spread over ep x tp). Its shared experts are not: data-
+        # parallel over tp, they are sharded over dp x cp x tp (moeflow.parallel.fsdp), as tp-split weights are.
         qk_norms = 2 * cfg.hd if cfg.qk_norm == "per_head" else 0
-        self.tp_whole = [2 * cfg.dim + qk_norms + (cfg.dim * moe.num_experts + 3 * cfg.dim * moe.shared_width
-                                                  if cfg.is_moe_layer(i) else 0) for i in range(cfg.n_layers)]
+        self.tp_whole = [2 * cfg.dim + qk_norms + (cfg.dim * moe.num_experts if cfg.is_moe_layer(i) else 0)
+                         for i in range(cfg.n_layers)]
         self.flops_per_token = cfg.flops_per_token(seq_len)
         n_matmul = cfg.num_active_params() - cfg.vocab_size * cfg.dim * (1 - cfg.tie_embeddings) - cfg.dim
         n_matmul += cfg.mtp_depth * cfg.vocab_size * cfg.dim  # the head, once more per MTP depth

@@ -62,7 +62,8 @@ def stage_params(job: Job, layers: range, first: bool, last: bool) -> tuple[int,
 
 
 def stage_tp_whole(job: Job, layers: range, last: bool) -> int:
-    """Parameters of one stage that every tp rank holds whole (norms, MoE routers and shared experts)."""
+    """Parameters of one stage that every tp rank holds whole (norms, MoE routers; not the shared experts, which
+    the folded MoE shards over dp x cp x tp)."""
     return sum(job.stats.tp_whole[i] for i in layers) + (job.model.dim if last else 0)
 
 
