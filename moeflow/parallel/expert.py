@@ -50,6 +50,9 @@ class ExpertParallelDispatcher:
         W = self.num_worst_tokens
         return self.buffer.group_size * max(num_tokens, 1) if W == -1 else W
 
+    # torch.compile (training.compile) runs the token mover eagerly: its byte packing and collectives are not
+    # traceable, and there is nothing in them for the compiler to fuse
+    @torch.compiler.disable
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor):
         W = self._rows(x_TD.shape[0])
         if W and not self.buffer.is_external:
@@ -76,11 +79,13 @@ class ExpertParallelDispatcher:
         # The deep_ep adapter's backward is synchronous and its events are the library's: overlap is moeflow's.
         return self.overlap and not self.buffer.is_external
 
+    @torch.compiler.disable  # communication: a graph break (see dispatch)
     def combine(self, y_PD: torch.Tensor, d: Dispatched, x_TD: torch.Tensor):
         out_ND = weighted_sum_back(y_PD, d, x_TD)
         out_TD, _, event = self.buffer.combine(out_ND, d.handle, async_finish=self._async)
         return out_TD, event
 
+    @torch.compiler.disable  # communication: a graph break (see dispatch)
     def gather(self, outs: list) -> torch.Tensor:
         arrived = [_wait(event, out_TD)[0] for out_TD, event in outs]
         return arrived[0] if len(arrived) == 1 else torch.cat(arrived)
@@ -101,6 +106,7 @@ class _Arriving:
         self.weight_dtype = weight_dtype
         self.recv = (recv_x_ND, recv_idx_NK, recv_w_NK)
 
+    @torch.compiler.disable  # communication: a graph break (see ExpertParallelDispatcher.dispatch)
     def arrive(self) -> Dispatched:
         recv_x_ND, recv_idx_NK, recv_w_NK = self.recv
         recv_x_ND, recv_w_NK = _wait(self.event, recv_x_ND, recv_w_NK)
