@@ -144,23 +144,8 @@ def parallelize(
     apply_fsdp(blocks(model), stages, dims, mesh, mixed_precision)
     if dims.fold_experts:
         _record_folded_moe_params(model, state)
-    balance_groups = _balance_groups(mesh, dims)
-    if dims.pp > 1:
-        from moeflow.parallel.pipeline import build_schedule
-
-        device = torch.device(device_type) if device_type == "cpu" else torch.device(device_type,
-                                                                                       torch.cuda.current_device())
-        state.runner = build_schedule(stages, submesh(mesh, "pp").get_local_rank(), dims.pp,
-                                      submesh(mesh, "pp").get_group(), device, dims.pp_schedule, microbatches,
-                                      loss_fn=loss_fn, microbatch_shape=pp_microbatch_shape if dims.tp == 1 else None,
-                                      balance_groups=balance_groups)
-        state.runner.autocast = autocast
-    else:
-        # ZeRO-1 keeps the parameters gathered across the step's micro-batches (one all-gather per step); the
-        # pipeline stages do the same by themselves (torch's PipelineStage).
-        state.runner = LocalRunner(model, loss_fn, microbatches, autocast, keep_gathered=dims.zero == 1,
-                                   balance_groups=balance_groups,
-                                   count_first=_count_first(compile, activation_checkpointing))
+    state.runner = _build_runner(model, stages, mesh, dims, microbatches, loss_fn, autocast, device_type,
+                                 pp_microbatch_shape, count_first=_count_first(compile, activation_checkpointing))
     if dims.cp > 1:
         state.runner.token_scale = token_scale
     if dims.fold_experts:
@@ -177,6 +162,29 @@ def _scale_folded_router_losses(stages: list[nn.Module], tp: int) -> None:
         for moe in (m for m in stage.modules() if isinstance(m, MoE) and id(m) not in seen):
             seen.add(id(moe))
             moe.router.aux_loss_scale /= tp
+
+
+def _build_runner(model, stages, mesh, dims: ParallelDims, microbatches: int, loss_fn, autocast, device_type: str,
+                  pp_microbatch_shape, count_first: bool):
+    """The step runner: a pipeline schedule over the (FSDP-wrapped) stages, or plain micro-batches."""
+    from moeflow.parallel.mesh import submesh
+
+    balance_groups = _balance_groups(mesh, dims)
+    if dims.pp == 1:
+        # ZeRO-1 keeps the parameters gathered across the step's micro-batches (one all-gather per step); the
+        # pipeline stages do the same by themselves (torch's PipelineStage).
+        return LocalRunner(model, loss_fn, microbatches, autocast, keep_gathered=dims.zero == 1,
+                           balance_groups=balance_groups, count_first=count_first)
+    from moeflow.parallel.pipeline import build_schedule
+
+    device = torch.device(device_type) if device_type == "cpu" else torch.device(device_type,
+                                                                                   torch.cuda.current_device())
+    runner = build_schedule(stages, submesh(mesh, "pp").get_local_rank(), dims.pp, submesh(mesh, "pp").get_group(),
+                            device, dims.pp_schedule, microbatches, loss_fn=loss_fn,
+                            microbatch_shape=pp_microbatch_shape if dims.tp == 1 else None,
+                            balance_groups=balance_groups)
+    runner.autocast = autocast
+    return runner
 
 
 def _balance_groups(mesh, dims: ParallelDims) -> list:
