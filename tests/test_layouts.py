@@ -97,16 +97,12 @@ def _planned_elements(cfg, sizes) -> dict[str, float]:
     are for bf16 weights and grads, 2 each, and 12 of fp32 AdamW state; moeflow trains here in fp32)."""
     from moeflow.hardware import get_gpu
     from moeflow.plan.layout import Job, Layout
-    from moeflow.plan.memory import model_state_bytes, stage_layers, stage_params, stage_tp_whole
+    from moeflow.plan.memory import model_state_per_rank
 
     job = Job(cfg.model, get_gpu("H100-80GB"), nodes=1, gpus_per_node=8, seq_len=cfg.data.seq_len,
               global_batch_tokens=cfg.data.seq_len * cfg.training.global_batch)
     lay = Layout(*sizes[:6], micro_batch=1, activation_checkpointing="none", cp=sizes[6] if len(sizes) > 6 else 1)
-    stages = stage_layers(cfg.model.n_layers, lay.pp)
-    per_stage = [model_state_bytes(*stage_params(job, layers, i == 0, i == lay.pp - 1), lay,
-                                   stage_tp_whole(job, layers, i == lay.pp - 1))
-                 for i, layers in enumerate(stages)]
-    fullest = max(per_stage, key=lambda b: b["params"])
+    fullest = max(model_state_per_rank(job, lay), key=lambda b: b["params"])
     return {"params": fullest["params"] / 2, "grads": fullest["grads"] / 2, "optimizer": fullest["optimizer"] / 12}
 
 

@@ -29,7 +29,7 @@ sequence's keys and values: (c - 1) / c of them beyond the rank's own share (`cp
 from __future__ import annotations
 
 from moeflow.hardware import RESERVED_GB
-from moeflow.layout.schedules import SCHEDULES
+from moeflow.layout.schedules import pipeline_layout
 from moeflow.models.config import ModelConfig
 from moeflow.plan.layout import Job, Layout
 from moeflow.plan.schedule import in_flight as schedule_in_flight
@@ -37,10 +37,39 @@ from moeflow.plan.schedule import in_flight as schedule_in_flight
 GB = 1e9
 
 
-def stage_layers(n_layers: int, pp: int) -> list[range]:
-    """Contiguous, balanced layer ranges per pipeline stage."""
-    bounds = [round(i * n_layers / pp) for i in range(pp + 1)]
-    return [range(bounds[i], bounds[i + 1]) for i in range(pp)]
+def rank_stages(job: Job, lay: Layout) -> list[tuple[tuple[range, bool, bool], ...]]:
+    """Per pipeline rank, the stages it holds as (layers, holds the embedding, holds the head): the trainer's split
+    and the schedule's placement (moeflow.layout.schedules.pipeline_layout). A balanced split of the layers over
+    pp ranks is not what runs: the trainer cuts pp x stages-per-rank stages, the first ones taking the remainder
+    (61 layers on pp=16 under a V schedule: rank 0 holds layers 0-1 and 60, not 0-3), which moves dense and MoE
+    layers between ranks and changes the fullest rank."""
+    key = ("rank_stages", lay.pp, lay.pp_schedule, lay.stages_per_rank)
+    cache = job.stats.cache
+    if key not in cache:
+        n = job.model.n_layers
+        if lay.pp == 1:
+            cache[key] = [((range(n), True, True),)]
+        else:
+            per_rank: list[list] = [[] for _ in range(lay.pp)]
+            for spec in pipeline_layout(n, lay.pp, lay.pp_schedule, None, lay.stages_per_rank):
+                per_rank[spec.rank].append((range(spec.layers[0], spec.layers[-1] + 1), spec.embed, spec.head))
+            cache[key] = [tuple(stages) for stages in per_rank]
+    return cache[key]
+
+
+def rank_model_state(job: Job, lay: Layout, stages: tuple[tuple[range, bool, bool], ...]) -> dict[str, float]:
+    """model_state_bytes of the parameters one pipeline rank holds (its `stages`, from rank_stages)."""
+    dense = expert = tp_whole = 0.0
+    for layers, embed, head in stages:
+        d, e = stage_params(job, layers, embed, head)
+        dense, expert = dense + d, expert + e
+        tp_whole += stage_tp_whole(job, layers, head) if lay.tp > 1 else 0
+    return model_state_bytes(dense, expert, lay, tp_whole)
+
+
+def model_state_per_rank(job: Job, lay: Layout) -> list[dict[str, float]]:
+    """Per pipeline rank, in rank order: bytes of bf16 weights, bf16 gradients and fp32 AdamW state it holds."""
+    return [rank_model_state(job, lay, stages) for stages in rank_stages(job, lay)]
 
 
 def stage_params(job: Job, layers: range, first: bool, last: bool) -> tuple[int, int]:
@@ -125,7 +154,7 @@ def cp_gathered_kv_bytes(cfg: ModelConfig, seq: int, mb: int, tp: int, cp: int) 
 
 
 def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
-    """Memory in GB of the fullest pipeline stage, by part, plus 'total' and 'stage'."""
+    """Memory in GB of the fullest pipeline rank, by part, plus 'total' and 'stage' (that rank's pp index)."""
     cfg, st = job.model, job.stats
     m = max(1, lay.num_micro_batches(job))
     # flash attention keeps no attention scores: without recomputation it holds what selective recomputation does
@@ -133,11 +162,10 @@ def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
     act_by_width = {w: layer_activation_bytes(cfg, w, job.seq_len, lay.micro_batch, lay.tp, ac)
                     for w in set(st.mlp_width)}
     best: dict[str, float] = {}
-    v_shape = lay.pp > 1 and SCHEDULES[lay.pp_schedule].placement == "v"  # rank 0 holds the first and last stage
-    for i, layers in enumerate(stage_layers(cfg.n_layers, lay.pp)):
-        first, last = i == 0, (i == 0 if v_shape else i == lay.pp - 1)
-        dense, expert = stage_params(job, layers, first, last)
-        parts = model_state_bytes(dense, expert, lay, stage_tp_whole(job, layers, last) if lay.tp > 1 else 0)
+    for i, stages in enumerate(rank_stages(job, lay)):
+        last = any(head for _, _, head in stages)
+        layers = [j for span, _, _ in stages for j in span]  # every layer this rank holds
+        parts = rank_model_state(job, lay, stages)
         in_flight = schedule_in_flight(lay.pp_schedule, lay.pp, lay.stages_per_rank, i, m)
         acts = sum(act_by_width[st.mlp_width[j]] for j in layers) * in_flight
         if ac == "full" and len(layers):

@@ -153,10 +153,15 @@ def _microbatches_ok(job: Job, dp: int, pp: int, mb: int, schedule: str) -> bool
     return schedule_refusal(schedule, seqs, pp, v) is None
 
 
-def evaluate(job: Job, lay: Layout, time: dict | None = None) -> Result:
-    # under a zero-bubble schedule ZeRO-3 keeps the parameters gathered for the whole step: ZeRO-2's memory
+def memory_layout(lay: Layout) -> Layout:
+    """The layout whose memory `lay` has when the trainer runs it: under a zero-bubble schedule ZeRO-3 keeps the
+    parameters gathered for the whole step (moeflow.parallel.pipeline), ZeRO-2's memory."""
     zb3 = lay.zero == 3 and lay.pp > 1 and lay.pp_schedule in ZERO_BUBBLE
-    mem = memory_per_gpu(job, replace(lay, zero=2) if zb3 else lay)
+    return replace(lay, zero=2) if zb3 else lay
+
+
+def evaluate(job: Job, lay: Layout, time: dict | None = None) -> Result:
+    mem = memory_per_gpu(job, memory_layout(lay))
     m = lay.num_micro_batches(job)
     if m == 0:
         seqs = job.global_batch_tokens // job.seq_len

@@ -30,10 +30,9 @@ The optimizer step and data loading are not modelled.
 
 from __future__ import annotations
 
-from moeflow.layout.schedules import pipeline_layout
 from moeflow.plan.compute import ATTENTION_EFFICIENCY, FBW, Rates, head_cost, layer_cost
 from moeflow.plan.layout import Job, Layout
-from moeflow.plan.memory import kv_width, stage_params
+from moeflow.plan.memory import kv_width, rank_stages, stage_params
 from moeflow.plan.schedule import ZERO_BUBBLE, bubble_seconds
 from moeflow.sim.ep import Links, expected_uniform_copies, row_bytes
 
@@ -94,13 +93,7 @@ def _ranks(job: Job, lay: Layout) -> list[tuple]:
     key = ("ranks", lay.pp, lay.pp_schedule, lay.stages_per_rank)
     cache = job.stats.cache
     if key not in cache:
-        n = job.model.n_layers
-        if lay.pp == 1:
-            per_rank = [[(range(n), True, True)]]
-        else:
-            per_rank = [[] for _ in range(lay.pp)]
-            for spec in pipeline_layout(n, lay.pp, lay.pp_schedule, None, lay.stages_per_rank):
-                per_rank[spec.rank].append((range(spec.layers[0], spec.layers[-1] + 1), spec.embed, spec.head))
+        per_rank = rank_stages(job, lay)
         kinds = set()
         for stages in per_rank:
             n_moe = sum(job.stats.is_moe[i] for layers, _, _ in stages for i in layers)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moeflow.config import JobConfig
+from moeflow.layout.schedules import SCHEDULES
 
 BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 master weights and grads; AdamW exp_avg + exp_avg_sq
 
@@ -49,8 +50,11 @@ def rank_state(cfg: JobConfig, world_size: int, rank: int) -> dict:
         expert = sum(_local_numel(p) for n, p in par.model.named_parameters() if ".experts." in n)
         sharded = sum(_local_numel(p) for p in params)
         # ZeRO-1 and ZeRO-2 (FSDP2 without resharding after forward) hold every layer's gathered weights from
-        # its forward to its backward: at the peak, the whole (tp/ep-local) model.
-        held = sum(_gathered_numel(p) for p in params) if cfg.parallel.zero in (1, 2) else sharded
+        # its forward to its backward: at the peak, the whole (tp/ep-local) model. So does ZeRO-3 under a
+        # zero-bubble pipeline schedule, which keeps the parameters gathered for the whole step
+        # (moeflow.parallel.pipeline._keep_fsdp_unsharded_in_step).
+        zero_bubble = dims.pp > 1 and SCHEDULES[dims.pp_schedule].splits_backward
+        held = sum(_gathered_numel(p) for p in params) if dims.zero in (1, 2) or zero_bubble else sharded
         opt_params = sum(_local_numel(p) for g in optimizer.param_groups for p in g["params"])
         grads = sharded  # every stage reduce-scatters gradients into shards
         return {"rank": rank, "params": held, "expert_params": expert, "optimizer_params": opt_params,
