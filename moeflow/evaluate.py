@@ -22,9 +22,9 @@ from pathlib import Path
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moeflow eval", description="Loss and perplexity of a model on a file or "
                                 "dataset (the trainer's data settings), with throughput.")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--run-dir", help="a moeflow run directory (its newest complete checkpoint) or a step-N folder")
-    src.add_argument("--hf-path", help="a Hugging Face model folder (config.json + safetensors)")
+    from moeflow.generate import add_model_source
+
+    add_model_source(p)
     p.add_argument("--data", required=True, help="what data.source takes: a file, a folder, hf:NAME[:SPLIT], ...")
     p.add_argument("--format", choices=("text", "chat", "instruction"), default="text")
     p.add_argument("--packing", action="store_true", help="pack documents into rows (as data.packing)")

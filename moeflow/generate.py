@@ -191,12 +191,17 @@ class Streamer:
 # ---- command line -------------------------------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moeflow generate", description="Generate text with a moeflow run or a Hugging "
-                                "Face folder, streaming it to the terminal.")
+def add_model_source(p: argparse.ArgumentParser) -> None:
+    """--run-dir or --hf-path: where `load_model` finds the model (moeflow generate and moeflow eval)."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", help="a moeflow run directory (its newest complete checkpoint) or a step-N folder")
     src.add_argument("--hf-path", help="a Hugging Face model folder (config.json + safetensors)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moeflow generate", description="Generate text with a moeflow run or a Hugging "
+                                "Face folder, streaming it to the terminal.")
+    add_model_source(p)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="plain text to continue")
     what.add_argument("--chat", help="a user message, wrapped in the tokenizer's chat template")
