@@ -179,6 +179,9 @@ def ep_no_host_sync(device, T=256, E=8, K=2, D=128):
                                            expert_impl="grouped_mm"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     moe = MoE(cfg).to(device=device, dtype=dtype)
+    with torch.no_grad():  # a bare MoE's parameters are uninitialised memory (the Transformer initialises them)
+        for p in moe.parameters():
+            p.normal_(0.0, 0.05)
     ref = copy.deepcopy(moe)
     apply_expert_parallel(moe, None, chunks=2, overlap=True, num_worst_tokens=-1)
     x = torch.randn(T, D, device=device, dtype=dtype, requires_grad=True)
