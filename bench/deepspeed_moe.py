@@ -12,8 +12,9 @@ exp_counts), deepspeed.init_distributed.
 
 Shape (per rank): T=1024 tokens, E=16 experts, top-4, D=F=256, fp32, one thread per rank, gloo, 2 ranks (EP=2).
 Both layers hold the same weights: moeflow's router gate and SwiGLU experts w2(silu(w1 x) * w3 x) (no biases),
-copied into DeepSpeed's TopKGate.wg and into a SwiGLU nn.Module given to DeepSpeed's MoE as its expert (the same
-three D x F matmuls per row: the FLOPs per routed row match); both route by softmax, top-4, weights renormalised
+copied into DeepSpeed's TopKGate.wg and into moeflow's FeedForward (a SwiGLU nn.Module) given to DeepSpeed's MoE
+as its expert (the same three D x F matmuls per row: the FLOPs per routed row match);
+both route by softmax, top-4, weights renormalised
 over the kept experts. Cases, each a pair of processes (rank 0 and rank 1):
 
   moeflow         moeflow.parallel.expert.apply_expert_parallel on a moeflow MoE (dropless, trainer defaults:
@@ -46,8 +47,6 @@ import tempfile
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(REPO, "bench", "out")
@@ -64,19 +63,6 @@ LABELS = {"baseline": "moeflow MoE, 1 process, 16 experts (baseline)",
           "moeflow_sync": "moeflow EP=2, dropless, overlap off",
           "ds_drop": "DeepSpeed EP=2, drop_tokens=True, cf 1.0",
           "ds_nodrop": "DeepSpeed EP=2, drop_tokens=False"}
-
-
-class SwiGLU(nn.Module):
-    """The expert given to DeepSpeed's MoE: moeflow's expert FFN, w2(silu(w1 x) * w3 x), no biases."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 # ---------------------------------------------------------------------------------------------- the venv
@@ -137,7 +123,10 @@ def make_moeflow(state: dict):
 def make_deepspeed(state: dict, rank: int, drop_tokens: bool):
     from deepspeed.moe.layer import MoE
 
-    layer = MoE(hidden_size=D, expert=SwiGLU(D, F_), num_experts=E, ep_size=WORLD, k=K, capacity_factor=CF,
+    sys.path.insert(0, REPO)
+    from moeflow.models.moe import FeedForward  # moeflow's dense SwiGLU: w2(silu(w1 x) * w3 x), no biases
+
+    layer = MoE(hidden_size=D, expert=FeedForward(D, F_), num_experts=E, ep_size=WORLD, k=K, capacity_factor=CF,
                 eval_capacity_factor=CF, drop_tokens=drop_tokens)
     layer.set_deepspeed_parallelism()
     L = E // WORLD

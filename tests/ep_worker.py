@@ -449,18 +449,10 @@ def case_timeout(ctx, backend="alltoall"):
 
 def case_moe(ctx, backend, G, shared=True, T=5, E=8, K=2, dim=16):
     """An MoE with expert parallelism vs the single-process MoE on all ranks' tokens: output and every gradient."""
-    from moeflow.models.config import ModelConfig, MoEConfig
-    from moeflow.models.moe import MoE
     from moeflow.parallel.expert import apply_expert_parallel
 
     R, me = ctx.world, ctx.rank
-    cfg = ModelConfig(dim=dim, moe=MoEConfig(num_experts=E, top_k=K, ffn_dim=12,
-                                             num_shared_experts=1 if shared else 0, expert_impl="loop"))
-    torch.manual_seed(0)
-    moe = MoE(cfg)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.3)
+    moe = seeded_moe(E, K, dim, shared, expert_impl="loop")
     ep = copy.deepcopy(moe)
     assert apply_expert_parallel(ep, ctx.group, backend=backend, ranks_per_node=G) == 1
     g = torch.Generator().manual_seed(5)
@@ -487,12 +479,13 @@ def case_moe(ctx, backend, G, shared=True, T=5, E=8, K=2, dim=16):
         torch.testing.assert_close(grad, dict(moe.named_parameters())[n].grad, **tol)
 
 
-def _moe_layer(E: int, K: int, dim: int, shared: bool = True):
+def seeded_moe(E: int, K: int, dim: int, shared: bool = True, expert_impl: str = "grouped_mm"):
+    """A bare MoE layer (FFN width 12) with seeded N(0, 0.3) weights: a bare module's are uninitialised memory."""
     from moeflow.models.config import ModelConfig, MoEConfig
     from moeflow.models.moe import MoE
 
     cfg = ModelConfig(dim=dim, moe=MoEConfig(num_experts=E, top_k=K, ffn_dim=12,
-                                             num_shared_experts=1 if shared else 0, expert_impl="grouped_mm"))
+                                             num_shared_experts=1 if shared else 0, expert_impl=expert_impl))
     torch.manual_seed(0)
     moe = MoE(cfg)
     with torch.no_grad():
@@ -519,7 +512,7 @@ def case_overlap(ctx, backend, G, chunks, T=7, E=8, K=2, dim=16):
     parameter gradients), for exact and for static receive sizes; static == exact and both == the single-process
     MoE on every rank's tokens to float rounding (static sizes change the tensors' lengths, and the CPU's
     vectorised silu rounds an element differently in the vector body and in the scalar tail)."""
-    moe = _moe_layer(E, K, dim)
+    moe = seeded_moe(E, K, dim)
     R, me = ctx.world, ctx.rank
     g = torch.Generator().manual_seed(5)
     x_all, gy_all = torch.randn(R * T, dim, generator=g), torch.randn(R * T, dim, generator=g)
@@ -564,7 +557,7 @@ def case_host_syncs(ctx, G, T=6, E=8, K=2, dim=16):
     (tests/host_syncs.py lists what counts); with exact sizes the same step does (so the counter can fail)."""
     from tests.host_syncs import count_host_syncs
 
-    moe = _moe_layer(E, K, dim)
+    moe = seeded_moe(E, K, dim)
     R = ctx.world
     g = torch.Generator().manual_seed(3)
     x_all, gy_all = torch.randn(R * T, dim, generator=g), torch.randn(R * T, dim, generator=g)

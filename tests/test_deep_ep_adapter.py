@@ -21,6 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.ep_worker import seeded_moe
+
 FAKE = str(Path(__file__).resolve().parent / "fake_deep_ep")
 TRAIN = [  # tests/test_layouts.py's BASE model, data and steps
     "--model.name=tiny-moe", "--model.dim=32", "--model.n_layers=4", "--model.n_heads=4",
@@ -108,20 +110,6 @@ def _run(_, case) -> None:
     globals()[fn](**kwargs)
 
 
-def _seeded_moe(E: int, K: int, dim: int, shared: bool):
-    from moeflow.models.config import ModelConfig, MoEConfig
-    from moeflow.models.moe import MoE
-
-    cfg = ModelConfig(dim=dim, moe=MoEConfig(num_experts=E, top_k=K, ffn_dim=12,
-                                             num_shared_experts=1 if shared else 0, expert_impl="loop"))
-    torch.manual_seed(0)
-    moe = MoE(cfg)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.3)
-    return moe
-
-
 def case_moe(flavour: str, tokens: list[int], E: int = 8, K: int = 2, dim: int = 16, shared: bool = True,
              autocast: bool = False) -> None:
     """The EP MoE layer through the fake vs the single-process MoE on all ranks' tokens: output and every
@@ -132,7 +120,7 @@ def case_moe(flavour: str, tokens: list[int], E: int = 8, K: int = 2, dim: int =
 
     deep_ep.use_flavour(flavour)
     me, R = dist.get_rank(), dist.get_world_size()
-    moe = _seeded_moe(E, K, dim, shared)
+    moe = seeded_moe(E, K, dim, shared, expert_impl="loop")
     ep = copy.deepcopy(moe)
     assert apply_expert_parallel(ep, dist.group.WORLD, backend="uccl" if flavour == "uccl" else "deep_ep") == 1
     g = torch.Generator().manual_seed(5)
