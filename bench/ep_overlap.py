@@ -8,9 +8,10 @@ measured in the same run: moeflow's MoE block in one process on 1024 tokens with
 expert work each EP rank does (every rank computes T*K = 4096 rows on average), so the EP layer's excess over it
 is its communication and bookkeeping. Per case: the median time of forward + backward on each rank (the
 slowest rank's median is reported), and, with overlap off, the time the same step spends in dispatch + combine
-(timed alone) and in the rest. A model at the end: what the same schedule gives when the links are those of an
-H800 node (moeflow.hardware; compute at this machine's measured rate scaled to the GPU's), from the measured
-split. Writes bench/out/ep_overlap.{json,png}.
+(timed alone) and in the rest. At the end, what the same schedule gives on GPUs, where communication has an
+engine of its own: moeflow.plan.overlap's two-engine model of the layer with moeflow.plan's H800 / H100 rates and
+links, for this shape and for DeepSeek-V3's and Qwen3-30B-A3B's MoE layers (`--project-only`: only that).
+Writes bench/out/ep_overlap.{json,png}.
 """
 
 from __future__ import annotations
@@ -128,27 +129,55 @@ def baseline_ms(repeats: int) -> float:
     return timed({"one process": step_fn(moe, x, torch.randn(T, D, generator=g))}, repeats)["one process"]
 
 
-def gpu_projection(comm_ms: float, compute_ms: float, flops_per_step: float, cpu_flops: float, chunks: int) -> dict:
-    """The same schedule on H800s: compute scaled from this machine's measured FLOP/s to the GPU's bf16 peak at
-    50% efficiency; communication the bytes of this step over the H800's NVLink (moeflow.hardware)."""
-    from moeflow.hardware import get_gpu
+PROJECTED = [  # (label, model, GPU, nodes, ep): the schedule on GPUs, moeflow.plan's link and compute model
+    ("this bench's layer (D=F=256, E=16, top-4), 1024 tok/rank, EP=2", "bench", "H800", 1, 2),
+    ("DeepSeek-V3 MoE layer, 4096 tok/rank, EP=8 in one node", "deepseek-v3", "H800", 1, 8),
+    ("DeepSeek-V3 MoE layer, 4096 tok/rank, EP=64 over 8 nodes", "deepseek-v3", "H800", 8, 64),
+    ("Qwen3-30B-A3B MoE layer, 4096 tok/rank, EP=8 in one node", "qwen3-moe-30b-a3b", "H100-80GB", 1, 8),
+]
 
-    gpu = get_gpu("H800")
-    # bytes of dispatch + combine (and their backward: twice) per rank, fp32 rows here, as bf16 on the GPU
-    row = D * 2
-    sent_rows = T * min(K, 2)  # an upper bound of rows a rank sends per direction at EP=2 (rank dedup)
-    comm = 4 * sent_rows * row / (gpu.intra_gbps * 1e9) * 1e3
-    compute = flops_per_step / (gpu.bf16_tflops * 1e12 * 0.5) * 1e3
-    off = comm + compute
-    per = max(compute / chunks, comm / chunks)
-    on = comm / chunks + chunks * per  # the first chunk's dispatch, then every chunk's slower half
-    return {"comm_ms": comm, "compute_ms": compute, "off_ms": off, "on_ms": min(on, off), "chunks": chunks}
+
+def gpu_projection() -> list[dict]:
+    """The trainer's overlap schedule (moeflow.plan.overlap: communication and compute on engines of their own)
+    with moeflow.plan's GPU rates and links: one MoE layer's forward + backward per rank, bf16, uniform routing,
+    chunks 0 (overlap off) / 1 / 2 / 4, against its expert compute alone."""
+    from moeflow.hardware import get_gpu
+    from moeflow.models.config import ModelConfig, MoEConfig
+    from moeflow.models.presets import get_preset
+    from moeflow.plan.layout import Job, Layout
+    from moeflow.plan.time import moe_layer_projection
+
+    out = []
+    for label, model, gpu, nodes, ep in PROJECTED:
+        cfg = (ModelConfig(dim=D, n_layers=1, moe=MoEConfig(num_experts=E, top_k=K, ffn_dim=F)) if model == "bench"
+               else get_preset(model))
+        seq = T if model == "bench" else 4096
+        job = Job(cfg, get_gpu(gpu), nodes, 8, seq, seq * 8 * nodes)
+        lay = Layout(1, 8 * nodes, 1, 1, ep, 3, 1, "none")
+        rows = [moe_layer_projection(job, lay, chunks) for chunks in (0, 1, 2, 4)]
+        out.append({"case": label, "gpu": gpu, "ep": ep, "compute_ms": rows[0]["compute_s"] * 1e3,
+                    "layer_ms": {r["chunks"]: r["layer_s"] * 1e3 for r in rows},
+                    "ratio": {r["chunks"]: r["layer_s"] / r["compute_s"] for r in rows}})
+    return out
+
+
+def print_projection(proj: list[dict]) -> None:
+    print("\nthe same schedule on GPUs (moeflow.plan.overlap; layer fwd+bwd / its expert compute alone):")
+    print(f"{'case':<62} {'gpu':<9} {'compute ms':>10} {'off':>6} {'c=1':>6} {'c=2':>6} {'c=4':>6}")
+    for p in proj:
+        r = p["ratio"]
+        print(f"{p['case']:<62} {p['gpu']:<9} {p['compute_ms']:>10.3f} {r[0]:>5.2f}x {r[1]:>5.2f}x {r[2]:>5.2f}x "
+              f"{r[4]:>5.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--project-only", action="store_true", help="print the GPU projection only (no processes)")
     args = parser.parse_args()
+    if args.project_only:
+        print_projection(gpu_projection())
+        return
     repeats = 5 if args.quick else 15
     worlds = [(2, 2)] if args.quick else [(2, 2), (4, 4), (8, 4)]
     configs = [(False, 1), (True, 1), (False, 2), (True, 2), (False, 4), (True, 4)]
@@ -170,11 +199,9 @@ def main() -> None:
         comm = res["comm"]
         print(f"{world:>5} {world // G:>5}   communication alone (dispatch + combine + their backward): "
               f"{comm:.1f} ms; compute and the rest: {res['off/1'] - comm:.1f} ms")
-    proj = [gpu_projection(results["worlds"]["2x2"]["comm"], base, flops, cpu_flops, c) for c in (1, 2, 4)]
-    results["h800_projection"] = proj
-    for p in proj:
-        print(f"H800 model, EP=2, {p['chunks']} chunk(s): comm {p['comm_ms']:.3f} ms, compute {p['compute_ms']:.3f} "
-              f"ms -> off {p['off_ms']:.3f} ms, overlapped {p['on_ms']:.3f} ms ({p['off_ms'] / p['on_ms']:.2f}x)")
+    proj = gpu_projection()
+    results["gpu_projection"] = proj
+    print_projection(proj)
     results["rows"] = rows
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "ep_overlap.json"), "w") as fh:

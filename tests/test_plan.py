@@ -453,6 +453,7 @@ def test_search_picks_a_schedule_the_trainer_runs():
 def test_ep_overlap_hides_communication_up_to_compute():
     job = job_for(get_preset("deepseek-v3"), "H800", 32, 8, 4096, 4096 * 1024)
     layout = Layout(1, 256, 1, 1, 64, 3, 1, "none")
+    job.ep_chunks = 0
     off = step_time(job, layout)
     job.ep_overlap = True
     on = step_time(job, layout)
@@ -461,6 +462,40 @@ def test_ep_overlap_hides_communication_up_to_compute():
     # ... and only the all-to-all time beyond that compute is exposed
     assert on["ep_s"] == pytest.approx(max(0.0, off["ep_s"] - on["compute_s"]))
     assert on["step_s"] < off["step_s"]
+
+
+def test_in_layer_overlap_schedule_by_hand():
+    from moeflow.plan.overlap import exposed_ep_seconds, moe_layer_seconds
+
+    # no overlap: dispatch, shared experts, experts, combine back to back
+    assert moe_layer_seconds(1.0, 4.0, 2.0, 3.0, 0) == 10.0
+    # one chunk: the dispatch runs beside the shared experts, the experts wait for both, then the combine
+    assert moe_layer_seconds(1.0, 4.0, 2.0, 3.0, 1) == 3.0 + 4.0 + 2.0
+    assert moe_layer_seconds(5.0, 4.0, 2.0, 3.0, 1) == 5.0 + 4.0 + 2.0
+    # two compute-bound chunks (d = m = 1, c = 4 each): D0 [0,1] D1 [1,2]; C0 [1,5]; M0 [5,6]; C1 [5,9]; M1 [9,10]
+    assert moe_layer_seconds(1.0, 4.0, 1.0, 0.0, 2) == 10.0
+    # two communication-bound chunks (d = m = 4, c = 1): the communication engine never idles: 4 x 4
+    assert moe_layer_seconds(4.0, 1.0, 4.0, 0.0, 2) == 16.0
+    # exposed: the wall time less the compute; the backward doubles the compute and swaps the moves
+    fwd, bwd = exposed_ep_seconds(1.0, 8.0, 1.0, 0.0, 2)
+    assert fwd == 2.0  # the first dispatch and the last combine
+    assert bwd == moe_layer_seconds(1.0, 8.0, 1.0, 0.0, 2) - 16.0 == 2.0
+    assert exposed_ep_seconds(1.0, 8.0, 2.0, 0.0, 0) == (3.0, 3.0)
+
+
+def test_planner_costs_the_trainers_ep_chunks():
+    job = job_for(get_preset("deepseek-v3"), "H800", 32, 8, 4096, 4096 * 1024)
+    layout = Layout(1, 256, 1, 1, 64, 3, 1, "none")
+    ep = {}
+    for chunks in (0, 1, 2, 4):
+        job.ep_chunks = chunks
+        job.stats.cache.clear()
+        ep[chunks] = step_time(job, layout)["ep_s"]
+    # the shared experts hide part of the first dispatch; chunks hide more, up to the latency they add
+    assert ep[0] > ep[1] > ep[2] > 0 and ep[4] < ep[0]
+    job.ep_chunks = -1
+    with pytest.raises(ValueError, match="--ep-chunks must be 0"):
+        job.validate()
 
 
 def test_fp8_speeds_up_matmuls_only():

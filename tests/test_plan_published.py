@@ -62,8 +62,9 @@ class Run:
     notes: str = ""
 
     def job_for(self, **changes) -> Job:
+        # ep_chunks 0: none of these systems overlaps EP inside the MoE layer as moeflow's trainer does
         return Job(self.model, get_gpu(self.gpu), self.gpus // 8, 8, self.seq, self.batch * self.seq,
-                   **{**self.job, **changes})
+                   **{"ep_chunks": 0, **self.job, **changes})
 
 
 def L(tp, pp, dp, zero, mb, ac, schedule="1F1B", v=0, ep=1):  # noqa: N802 - a layout, compactly

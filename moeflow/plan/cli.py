@@ -22,7 +22,9 @@ ASSUMPTIONS = [
     "peak, norms/activations/permutes at HBM bandwidth; kernels at KERNEL_EFFICIENCY of those rates "
     "(calibrated, moeflow.plan.compute)",
     "pipeline bubble of the schedule (1F1B, interleaved, zero-bubble, DualPipeV) from its published formula",
-    "TP and PP point-to-point communication are not overlapped with compute; EP neither unless --ep-overlap",
+    "TP and PP point-to-point communication are not overlapped with compute; EP overlaps inside the MoE layer as "
+    "the trainer does it (--ep-chunks, two engines: moeflow.plan.overlap), or behind another micro-batch with "
+    "--ep-overlap (DualPipe)",
     "DP/ZeRO communication overlaps compute (not other communication); only the excess is exposed",
     "EP traffic from uniform routing with per-rank dedup inside a node, per-node dedup across nodes",
     "bf16 weights and grads, fp32 AdamW state (16 bytes/param before sharding); fp8/mxfp8 change only the FLOP/s "
@@ -92,9 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) instead of searching 1F1B, Interleaved1F1B, "
                    "InterleavedZeroBubble, ZBVZeroBubble and DualPipeV")
     p.add_argument("--cp", type=int, help="plan context parallelism of this size (default 1: not searched)")
+    p.add_argument("--ep-chunks", type=int, default=1,
+                   help="the trainer's expert-parallel overlap inside the MoE layer: its parallel.ep_overlap_chunks "
+                   "(default 1: the first dispatch behind the shared experts); 0 for parallel.ep_overlap=false")
     p.add_argument("--ep-overlap", action="store_true",
-                   help="cost expert-parallel dispatch/combine as overlapped with another micro-batch's compute "
-                   "(hidden up to that compute; the trainer's parallel.ep_overlap)")
+                   help="cost expert-parallel dispatch/combine as overlapped with another micro-batch's compute, "
+                   "hidden up to that compute (DualPipe; the trainer does not run it: use it to model runs that do)")
     p.add_argument("--top", type=int, default=5, help="feasible layouts to show (default 5)")
     p.add_argument("--infeasible", type=int, default=3, help="close infeasible layouts to show (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON (key 'layouts') instead of a table")
@@ -122,7 +127,7 @@ def plan(job: Job, cons: Constraints | None = None, top: int = 5, infeasible: in
         "hardware": {"memory_gb": job.gpu.memory_gb, "peak_tflops": job.gpu.peak_flops(job.precision) / 1e12,
                      "matmul_efficiency": job.gpu.matmul_fraction(job.precision), "hbm_gbps": job.gpu.hbm_gbps,
                      "intra_gbps": job.intra, "inter_gbps": job.inter, "ep_overlap": job.ep_overlap,
-                     "source": job.gpu.source},
+                     "ep_chunks": job.ep_chunks, "source": job.gpu.source},
         "searched": job.stats.cache.get("searched", len(results)),
         "feasible": len(ok),
         "layouts": [r.as_dict() for r in ok[:top] + bad],
@@ -212,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
             gpu = replace(gpu, matmul_efficiency=args.efficiency, fp8_matmul_efficiency=args.efficiency)
         job = Job(cfg, gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch_tokens,
-                  args.precision, args.intra_gbps, args.inter_gbps, ep_overlap=args.ep_overlap)
+                  args.precision, args.intra_gbps, args.inter_gbps, ep_overlap=args.ep_overlap,
+                  ep_chunks=args.ep_chunks)
         cons = Constraints(args.tp, args.pp, args.ep, args.zero, args.pp_schedule, args.cp)
         out = plan(job, cons, args.top, args.infeasible)
     except ValueError as e:

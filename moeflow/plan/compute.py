@@ -154,19 +154,23 @@ def scores_cost(cfg: ModelConfig, seq: int, mb: int, tp: int, rates: Rates, flas
     return gemms + traffic, 2 * (gemms + traffic)
 
 
+def moe_matmul_seconds(cfg: ModelConfig, tokens: float, ep: int, rates: Rates) -> tuple[float, float, float]:
+    """(router, shared experts, routed experts) matmul seconds of one MoE layer's forward over `tokens` tokens of
+    this rank (under tp its sequence-parallel shard: the MoE's weights are not split over tp)."""
+    m = cfg.moe
+    router = matmul_seconds(tokens, cfg.dim, m.num_experts, rates)
+    shared = matmul_seconds(tokens, cfg.dim, m.shared_width, rates, 3) if m.shared_width else 0.0
+    local, rows = m.num_experts // ep, tokens * ep * m.top_k / m.num_experts
+    return router, shared, matmul_seconds(rows, cfg.dim, m.ffn_dim, rates, 3 * local)
+
+
 def layer_cost(cfg: ModelConfig, moe_layer: bool, seq: int, mb: int, tp: int, ep: int, ac: str,
                rates: Rates, flash: bool = True) -> FBW:
     """F/B/W seconds of one layer for one micro-batch (mb sequences of seq tokens) on one GPU."""
     tokens = seq * mb  # rows of the tensor-parallel matmuls (sequence-parallel shards are gathered)
     attn = sum((matmul_seconds(tokens, k, n, rates) for k, n in attention_gemms(cfg, tp)), 0.0)
     if moe_layer:
-        # Tokens of this rank's sequence-parallel shard enter the MoE layer; its weights are not split over tp.
-        m, t_in = cfg.moe, tokens / tp
-        ffn = matmul_seconds(t_in, cfg.dim, m.num_experts, rates)  # router
-        if m.shared_width:
-            ffn += matmul_seconds(t_in, cfg.dim, m.shared_width, rates, 3)
-        local, rows = m.num_experts // ep, t_in * ep * m.top_k / m.num_experts
-        ffn += matmul_seconds(rows, cfg.dim, m.ffn_dim, rates, 3 * local)
+        ffn = sum(moe_matmul_seconds(cfg, tokens / tp, ep, rates))
     else:
         ffn = matmul_seconds(tokens, cfg.dim, cfg.ffn_dim // tp, rates, 3)
     mm = attn + ffn  # one pass: forward, input gradient and weight gradient each take this long

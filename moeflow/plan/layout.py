@@ -64,10 +64,15 @@ class Job:
     flash_attention: bool = True
     """The attention scores are never materialized (flash attention: what torch's scaled_dot_product_attention,
     which the trainer calls, runs on GPUs). False models Megatron-LM before flash attention (moeflow.plan.compute)."""
+    ep_chunks: int = 1
+    """The trainer's expert-parallel overlap inside the MoE layer (moeflow.plan.overlap): its tokens in this many
+    chunks, one chunk's dispatch and another's combine in flight while a chunk's experts compute, the first
+    dispatch behind the shared experts. The trainer's `parallel.ep_overlap_chunks` (default 1); 0 for
+    `parallel.ep_overlap = false`."""
     ep_overlap: bool = False
     """Expert-parallel dispatch/combine runs while another micro-batch computes (DualPipe, DeepSeek-V3 report
-    sec. 3.2.1; Megatron-Core's all-to-all overlap), hidden up to that compute (moeflow.plan.time). Off by
-    default: the trainer does not overlap them yet."""
+    sec. 3.2.1), hidden up to that compute (moeflow.plan.time). The trainer does not schedule micro-batches
+    this way; this models published runs that do. Replaces `ep_chunks` when set."""
 
     @property
     def world(self) -> int:
@@ -105,6 +110,9 @@ class Job:
                     f"too few for {self.world} GPUs; raise it to at least "
                     f"{self.world // max_split * self.seq_len} or use fewer --nodes"
                 )
+        if self.ep_chunks < 0:
+            raise ValueError(f"--ep-chunks must be 0 (no overlap) or more, got {self.ep_chunks}; the trainer's "
+                             f"default is 1")
         self.gpu.peak_flops(self.precision)  # raises for fp8 on a part without fp8
         if self.gpu.hbm_gbps <= 0:
             raise ValueError(f"GPU {self.gpu.name!r} has no memory bandwidth (hbm_gbps = {self.gpu.hbm_gbps}); the "

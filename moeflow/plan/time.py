@@ -9,9 +9,11 @@
   reduce-scatters s*b*h twice forward and twice backward; an MoE layer once each (its tokens enter the MoE as
   the sequence-parallel shard); full recomputation repeats the forward ones. Not overlapped (assumption).
 - EP: expected per-rank dispatch/combine copies under uniform routing from moeflow.sim.ep (the `rank` strategy
-  inside a node, `node` across nodes), forward and backward. Not overlapped, unless `Job.ep_overlap`: then it
-  is hidden up to the rank's compute of a micro-batch, which slows by the SMs the communication kernels hold
-  (20 of an H800's 132, DeepSeek-V3 report sec. 3.2.2).
+  inside a node, `node` across nodes), forward and backward. Overlapped as the trainer does it
+  (`Job.ep_chunks`, its `parallel.ep_overlap_chunks`; 0 for `parallel.ep_overlap = false`): inside the layer,
+  behind the shared experts and the other chunks' experts (moeflow.plan.overlap). Or, under `Job.ep_overlap`
+  (DualPipe, which the trainer does not run), hidden up to the rank's compute of a micro-batch, which slows by
+  the SMs the communication kernels hold (20 of an H800's 132, DeepSeek-V3 report sec. 3.2.2).
 - CP (context parallelism, `cp_seconds`): each cp rank computes 1/cp of every sequence (balanced causal chunks),
   and per layer all-gathers the whole sequence's K and V forward and reduce-scatters their gradients backward,
   not overlapped.
@@ -30,9 +32,10 @@ The optimizer step and data loading are not modelled.
 
 from __future__ import annotations
 
-from moeflow.plan.compute import ATTENTION_EFFICIENCY, FBW, Rates, head_cost, layer_cost
+from moeflow.plan.compute import ATTENTION_EFFICIENCY, FBW, Rates, head_cost, layer_cost, moe_matmul_seconds
 from moeflow.plan.layout import Job, Layout
 from moeflow.plan.memory import kv_width, rank_stages, stage_params
+from moeflow.plan.overlap import exposed_ep_seconds
 from moeflow.plan.schedule import ZERO_BUBBLE, bubble_seconds
 from moeflow.sim.ep import Links, expected_uniform_copies, row_bytes
 
@@ -70,21 +73,47 @@ def _layer_costs(job: Job, lay: Layout) -> tuple[FBW, FBW, FBW]:
     return cache[key]
 
 
-def _ep_layer_seconds(job: Job, lay: Layout, links: Links) -> float:
-    """Dispatch + combine of one MoE layer's forward for one micro-batch (the backward moves the same)."""
+def _ep_moves(job: Job, lay: Layout, links: Links, chunks: int = 1) -> tuple[float, float]:
+    """(dispatch, combine) seconds of one chunk of one MoE layer's forward for one micro-batch, its tokens split
+    into `chunks` chunks (the backward moves the same bytes the other way)."""
     cfg = job.model
     if not cfg.is_moe or lay.ep == 1:
-        return 0.0
-    key = ("ep", lay.micro_batch, lay.tp, lay.ep, job.precision, job.intra, job.inter)
+        return 0.0, 0.0
+    key = ("ep", lay.micro_batch, lay.tp, lay.ep, job.precision, job.intra, job.inter, chunks)
     cache = job.stats.cache
     if key not in cache:
         rpn = max(1, min(lay.ep, job.gpus_per_node // lay.tp))
         strategy = "node" if lay.ep > rpn else "rank"
         c_intra, c_inter = expected_uniform_copies(cfg.moe.num_experts, cfg.moe.top_k, lay.ep, rpn, strategy)
         d_row, c_row = row_bytes(cfg.dim, cfg.moe.top_k, "bf16")  # training.fp8 converts matmuls, not the EP wire
-        tok = job.seq_len * lay.micro_batch / lay.tp
-        cache[key] = sum(links.time(tok * c_intra * row, tok * c_inter * row) for row in (d_row, c_row))
+        tok = job.seq_len * lay.micro_batch / lay.tp / max(chunks, 1)
+        cache[key] = tuple(links.time(tok * c_intra * row, tok * c_inter * row) for row in (d_row, c_row))
     return cache[key]
+
+
+def moe_layer_projection(job: Job, lay: Layout, chunks: int) -> dict:
+    """One MoE layer, forward + backward of one micro-batch, on the job's GPUs: the expert compute and the layer's
+    wall time when the trainer overlaps expert-parallel communication in `chunks` chunks (0: no overlap)."""
+    dispatch, combine = _ep_moves(job, lay, Links(job.intra, job.inter), chunks)
+    _, shared, routed = moe_matmul_seconds(job.model, job.seq_len * lay.micro_batch / lay.tp, lay.ep, rates(job))
+    fwd, bwd = exposed_ep_seconds(dispatch, routed, combine, shared, chunks)
+    compute = 3 * (routed + shared)
+    return {"chunks": chunks, "compute_s": compute, "dispatch_s": dispatch, "combine_s": combine,
+            "layer_s": compute + fwd + bwd}
+
+
+def _ep_exposed(job: Job, lay: Layout, links: Links, comp: FBW) -> tuple[float, float]:
+    """(forward, backward) expert-parallel seconds one MoE layer adds to one micro-batch, per the trainer's
+    overlap (`Job.ep_chunks`, moeflow.plan.overlap) or, under `Job.ep_overlap`, hidden behind another
+    micro-batch's compute `comp` (the caller scales that compute for the SMs communication holds)."""
+    if job.ep_overlap:
+        dispatch, combine = _ep_moves(job, lay, links)
+        return dispatch + combine, dispatch + combine
+    dispatch, combine = _ep_moves(job, lay, links, job.ep_chunks)
+    if dispatch == combine == 0.0:
+        return 0.0, 0.0
+    _, shared, routed = moe_matmul_seconds(job.model, job.seq_len * lay.micro_batch / lay.tp, lay.ep, rates(job))
+    return exposed_ep_seconds(dispatch, routed, combine, shared, job.ep_chunks)
 
 
 def _ranks(job: Job, lay: Layout) -> list[tuple]:
@@ -126,16 +155,16 @@ def _rank_micro_batch(job: Job, lay: Layout, rank: tuple, links: Links) -> dict:
         one = ring_time(s * b * cfg.dim * 2, t, 1.0, bw, alpha)
         tp = one * (4 * n_dense + 2 * n_moe)  # forward collectives; the backward has as many
     tp_f, tp_b = tp, tp * (2 if lay.activation_checkpointing == "full" else 1)
-    ep = _ep_layer_seconds(job, lay, links) * n_moe / lay.cp  # forward; backward the same
-    if job.ep_overlap and ep > 0:
+    ep_f, ep_b = (n_moe / lay.cp * s for s in _ep_exposed(job, lay, links, comp))
+    if job.ep_overlap and ep_f > 0:
         comp = comp.scale(1 / (1 - COMM_SM_SHARE))
-        ep = max(0.0, 2 * ep - comp.total) / 2
+        ep_f = ep_b = max(0.0, ep_f + ep_b - comp.total) / 2
     p2p = 0.0
     if lay.pp > 1:
         p2p = n_stages * (links.alpha_inter_s + s * b * cfg.dim * 2 / t / (links.inter_gbps * 1e9))
     cp_f, cp_b = cp_seconds(job, lay, n_dense + n_moe, links)
-    fbw = FBW(comp.f + tp_f + ep + p2p + cp_f, comp.b + tp_b + ep + p2p + cp_b, comp.w)
-    return {"fbw": fbw, "comp": comp, "tp": tp_f + tp_b, "ep": 2 * ep, "p2p": 2 * p2p, "cp": cp_f + cp_b}
+    fbw = FBW(comp.f + tp_f + ep_f + p2p + cp_f, comp.b + tp_b + ep_b + p2p + cp_b, comp.w)
+    return {"fbw": fbw, "comp": comp, "tp": tp_f + tp_b, "ep": ep_f + ep_b, "p2p": 2 * p2p, "cp": cp_f + cp_b}
 
 
 def cp_seconds(job: Job, lay: Layout, layers: int, links: Links) -> tuple[float, float]:
