@@ -1,4 +1,4 @@
-"""Every layout the planner recommends runs, and holds what the planner says it holds (issue 12).
+"""Every layout the planner recommends runs, and holds what the planner says it holds.
 
 For four models on two clusters each, the planner's top layouts go through the trainer's own checks
 (JobConfig.layout: the rules a real run is refused by) and its dry run (moeflow.train.dry_run: the model built
