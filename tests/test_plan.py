@@ -493,6 +493,10 @@ def test_planner_costs_the_trainers_ep_chunks():
         ep[chunks] = step_time(job, layout)["ep_s"]
     # the shared experts hide part of the first dispatch; chunks hide more, up to the latency they add
     assert ep[0] > ep[1] > ep[2] > 0 and ep[4] < ep[0]
+    # full recomputation runs the forward's dispatch and combine again in backward
+    job.ep_chunks = 0
+    full = step_time(job, Layout(1, 256, 1, 1, 64, 3, 1, "full"))["ep_s"]
+    assert full == pytest.approx(1.5 * ep[0])
     job.ep_chunks = -1
     with pytest.raises(ValueError, match="--ep-chunks must be 0"):
         job.validate()

@@ -13,7 +13,8 @@
   (`Job.ep_chunks`, its `parallel.ep_overlap_chunks`; 0 for `parallel.ep_overlap = false`): inside the layer,
   behind the shared experts and the other chunks' experts (moeflow.plan.overlap). Or, under `Job.ep_overlap`
   (DualPipe, which the trainer does not run), hidden up to the rank's compute of a micro-batch, which slows by
-  the SMs the communication kernels hold (20 of an H800's 132, DeepSeek-V3 report sec. 3.2.2).
+  the SMs the communication kernels hold (20 of an H800's 132, DeepSeek-V3 report sec. 3.2.2). Full
+  recomputation repeats the forward's dispatch and combine in backward.
 - CP (context parallelism, `cp_seconds`): each cp rank computes 1/cp of every sequence (balanced causal chunks),
   and per layer all-gathers the whole sequence's K and V forward and reduce-scatters their gradients backward,
   not overlapped.
@@ -159,6 +160,8 @@ def _rank_micro_batch(job: Job, lay: Layout, rank: tuple, links: Links) -> dict:
     if job.ep_overlap and ep_f > 0:
         comp = comp.scale(1 / (1 - COMM_SM_SHARE))
         ep_f = ep_b = max(0.0, ep_f + ep_b - comp.total) / 2
+    if lay.activation_checkpointing == "full":
+        ep_b += ep_f  # the recomputed forward dispatches and combines again
     p2p = 0.0
     if lay.pp > 1:
         p2p = n_stages * (links.alpha_inter_s + s * b * cfg.dim * 2 / t / (links.inter_gbps * 1e9))
