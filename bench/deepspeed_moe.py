@@ -17,9 +17,9 @@ as its expert (the same three D x F matmuls per row: the FLOPs per routed row ma
 both route by softmax, top-4, weights renormalised
 over the kept experts. Cases, each a pair of processes (rank 0 and rank 1):
 
-  moeflow         moeflow.parallel.expert.apply_expert_parallel on a moeflow MoE (dropless, trainer defaults:
-                  overlap on, 1 chunk)
-  moeflow sync    the same with overlap=False (dispatch / combine synchronous), to tell their cost apart
+  moeflow         moeflow.parallel.expert.apply_expert_parallel on a moeflow MoE (dropless, the trainer's
+                  defaults: 1 chunk, overlap on CUDA, off on a CPU)
+  moeflow async   the same with overlap=True (dispatch / combine asynchronous), to tell their cost apart
   ds drop cf1.0   DeepSpeed MoE, its defaults: capacity_factor=1.0, drop_tokens=True (drop_policy 'probs')
   ds no drop      DeepSpeed MoE, drop_tokens=False (capacity = the largest expert load over the EP group)
 
@@ -57,10 +57,10 @@ TORCH_PIN = "torch==2.13.0"
 T, E, K, D, F_ = 1024, 16, 4, 256, 256
 WORLD = 2
 CF = 1.0
-CASES = ["moeflow", "moeflow_sync", "ds_drop", "ds_nodrop"]
+CASES = ["moeflow", "moeflow_async", "ds_drop", "ds_nodrop"]
 LABELS = {"baseline": "moeflow MoE, 1 process, 16 experts (baseline)",
-          "moeflow": "moeflow EP=2, dropless",
-          "moeflow_sync": "moeflow EP=2, dropless, overlap off",
+          "moeflow": "moeflow EP=2, dropless (trainer defaults)",
+          "moeflow_async": "moeflow EP=2, dropless, overlap on",
           "ds_drop": "DeepSpeed EP=2, drop_tokens=True, cf 1.0",
           "ds_nodrop": "DeepSpeed EP=2, drop_tokens=False"}
 
@@ -167,8 +167,8 @@ def worker(case: str, rank: int, tmp: str) -> None:
         from moeflow.parallel.expert import apply_expert_parallel
 
         layer = make_moeflow(state)
-        # the trainer's defaults (overlap on, 1 chunk); moeflow_sync: overlap off (synchronous dispatch / combine)
-        apply_expert_parallel(layer, None, ranks_per_node=WORLD, overlap=case == "moeflow")
+        # the trainer's defaults (1 chunk; overlap chosen by device: off here); moeflow_async: overlap on
+        apply_expert_parallel(layer, None, ranks_per_node=WORLD, overlap=True if case == "moeflow_async" else None)
 
         def forward(x):
             return layer(x), None
@@ -294,10 +294,10 @@ def run(pairs: dict, state: dict, tmp: str, repeats: int) -> dict:
     nodrop_cap = int(max(int(cnt.max()) for cnt in counts))
     L = E // WORLD
     local = [int(sum(cnt[r * L:(r + 1) * L].sum() for cnt in counts)) for r in range(WORLD)]
-    rows = {"moeflow": local, "moeflow_sync": local,
+    rows = {"moeflow": local, "moeflow_async": local,
             "ds_drop": [E * cap] * WORLD, "ds_nodrop": [E * nodrop_cap] * WORLD, "baseline": [T * K]}
     parity = {}
-    for c in ("moeflow_sync", "ds_drop", "ds_nodrop"):
+    for c in ("moeflow_async", "ds_drop", "ds_nodrop"):
         y = torch.cat([chk[c][r]["y"] for r in range(WORLD)])
         dx = torch.cat([chk[c][r]["dx"] for r in range(WORLD)])
         y0 = torch.cat([chk["moeflow"][r]["y"] for r in range(WORLD)])
@@ -305,7 +305,7 @@ def run(pairs: dict, state: dict, tmp: str, repeats: int) -> dict:
         differ = ((y - y0).abs().amax(-1) > 1e-5).float().mean().item()
         parity[c] = {"max_abs_y": (y - y0).abs().max().item(), "max_abs_dx": (dx - dx0).abs().max().item(),
                      "tokens_differing": differ}
-    for c in ("moeflow_sync", "ds_nodrop"):
+    for c in ("moeflow_async", "ds_nodrop"):
         assert parity[c]["max_abs_y"] < 1e-5 and parity[c]["max_abs_dx"] < 1e-5, parity
     print(f"outputs: moeflow vs DeepSpeed no-drop max |dy| {parity['ds_nodrop']['max_abs_y']:.1e}, "
           f"|dx| {parity['ds_nodrop']['max_abs_dx']:.1e}; vs DeepSpeed drop cf 1.0: "
@@ -340,7 +340,7 @@ def run(pairs: dict, state: dict, tmp: str, repeats: int) -> dict:
     return {"ms": med, "per_rank_ms": per_rank, "dropped_fraction_ds_drop": dropped, "capacity_ds_drop": cap,
             "capacity_ds_nodrop": nodrop_cap, "expert_rows_per_rank": rows, "parity": parity,
             "ratios": {f"{m}/{d}": med[m] / med[d]
-                       for m in ("moeflow", "moeflow_sync") for d in ("ds_drop", "ds_nodrop")},
+                       for m in ("moeflow", "moeflow_async") for d in ("ds_drop", "ds_nodrop")},
             "targets": {"moeflow <= 0.9 x ds_drop": med["moeflow"] <= 0.9 * med["ds_drop"],
                         "moeflow < ds_nodrop": med["moeflow"] < med["ds_nodrop"]}}
 
@@ -350,7 +350,7 @@ def report(res: dict, out: str) -> None:
     print(f"\n{res['machine']}; torch {res['torch']}; {res['deepspeed']}; median of {res['repeats']} interleaved "
           f"repeats, fwd+bwd, slowest rank")
     print(f"{'layer':<46} {'ms/rank':>8} {'moeflow/x':>9} {'x/baseline':>10} {'expert rows/rank':>16}")
-    for n in ["moeflow", "moeflow_sync", "ds_drop", "ds_nodrop", "baseline"]:
+    for n in ["moeflow", "moeflow_async", "ds_drop", "ds_nodrop", "baseline"]:
         print(f"{LABELS[n]:<46} {ms[n]:>8.1f} {ms['moeflow'] / ms[n]:>9.2f} {ms[n] / ms['baseline']:>10.2f} "
               f"{max(rows[n]):>16}")
     print(f"DeepSpeed drop_tokens=True, cf 1.0: capacity {res['capacity_ds_drop']} rows per expert per rank, "
@@ -365,7 +365,7 @@ def report(res: dict, out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["moeflow", "moeflow_sync", "ds_drop", "ds_nodrop", "baseline"]
+    names = ["moeflow", "moeflow_async", "ds_drop", "ds_nodrop", "baseline"]
     fig, ax = plt.subplots(figsize=(8, 3.5))
     colors = ["tab:blue", "tab:cyan", "tab:orange", "tab:red", "tab:gray"]
     ax.barh(range(len(names)), [ms[n] for n in names], color=colors)

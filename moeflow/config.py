@@ -142,9 +142,11 @@ class ParallelConfig:
     'uccl' (UCCL-EP's drop-in only). DeepEP needs CUDA GPUs, training.dtype='bf16' (its combine kernels are bf16)
     and an EP size of 2, 4 or 8 in a node, or 16, 24, 32, 48, 64, 96, 128, 144 or 160 across nodes. With ep=1 no
     tokens move and it is unused."""
-    ep_overlap: bool = True
+    ep_overlap: bool | None = None
     """Expert parallelism: start each dispatch / combine asynchronously and wait as late as possible (the shared
-    experts, and other chunks' experts, compute meanwhile), in forward and backward; results equal off."""
+    experts, and other chunks' experts, compute meanwhile), in forward and backward; results equal off. None
+    (default): on for GPUs or ep_overlap_chunks > 1, off for one chunk on a CPU, where gloo's transfers share the
+    cores with the experts and asynchrony only costs (about 5% of `make train`'s tokens/s)."""
     ep_overlap_chunks: int = 1
     """Expert parallelism: split each MoE layer's tokens into this many chunks, so one chunk's communication
     is in flight while another's experts compute."""

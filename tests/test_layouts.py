@@ -38,7 +38,7 @@ LAYOUTS = {
         "ep2": ["--parallel.ep=2"],
         "ep2-chunks2-static": ["--parallel.ep=2", "--parallel.ep_overlap_chunks=2",
                                "--parallel.ep_num_worst_tokens=-1"],
-        "ep2-no-overlap": ["--parallel.ep=2", "--parallel.ep_overlap=false"],
+        "ep2-overlap": ["--parallel.ep=2", "--parallel.ep_overlap=true"],  # the CPU default is off
         "tp2": ["--parallel.tp=2"],  # the MoE folded: experts over the 2 tp ranks, each routing its tokens
         "tp2-moe-replicated": ["--parallel.tp=2", "--parallel.ep_over_tp=false"],
         "pp2-gpipe": ["--parallel.pp=2", "--parallel.pp_schedule=GPipe"],

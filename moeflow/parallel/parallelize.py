@@ -52,7 +52,7 @@ def parallelize(
     mixed_precision: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
     ep_backend: str = "auto",
-    ep_overlap: bool = True,
+    ep_overlap: bool | None = None,
     ep_chunks: int = 1,
     ep_num_worst_tokens: int = 0,
     tp_plan: dict | None = None,
