@@ -20,11 +20,11 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from gloo_workers import init_gloo, report, run_workers
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,27 +83,18 @@ def measure(cfg, info, rounds: int, per_block: int, every: int, tmp: str) -> dic
 def _worker(rank: int, world: int, model: list[str], cycles: int, every: int, tmp: str) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    init_gloo(rank, world, tmp)
     from moeflow.config import load_config, parse_overrides
     from moeflow.train.distributed import DistInfo
 
     extra = ["--parallel.ep=2"] if world == 2 else []
     cfg = load_config(None, {**parse_overrides([*COMMON, *model, *extra]), "run_dir": f"{tmp}/run"})
-    out = measure(cfg, DistInfo(rank, world, rank, torch.device("cpu")), cycles // 3, 3, every, tmp)
-    if rank == 0:
-        with open(f"{tmp}/result.json", "w") as fh:
-            json.dump(out, fh)
+    report(rank, tmp, measure(cfg, DistInfo(rank, world, rank, torch.device("cpu")), cycles // 3, 3, every, tmp))
     os._exit(0)
 
 
 def run(world: int, model: list[str], cycles: int, every: int) -> dict:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(dir=OUT) as tmp:
-        mp.spawn(_worker, args=(world, model, cycles, every, tmp), nprocs=world, join=True)
-        with open(f"{tmp}/result.json") as fh:
-            return json.load(fh)
+    return run_workers(_worker, world, model, cycles, every, tmp_dir=OUT)
 
 
 def main() -> None:

@@ -21,11 +21,11 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from gloo_workers import init_gloo, report, run_workers
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,7 +72,7 @@ def _worker(rank: int, cp: int, seq: int, repeats: int, tmp: str) -> None:
             reference = float(tp_loss(model(inputs), targets))
     loss_fn = tp_loss
     if cp > 1:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=cp)
+        init_gloo(rank, cp, tmp)
         from torch.distributed.device_mesh import init_device_mesh
 
         from moeflow.parallel.context import apply_context_parallel, shard_sequence
@@ -105,24 +105,13 @@ def _worker(rank: int, cp: int, seq: int, repeats: int, tmp: str) -> None:
         peak = torch.tensor([float(saved)])
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         saved = int(peak.item())
-    if rank == 0:
-        with open(f"{tmp}/result.json", "w") as fh:
-            json.dump({"saved_bytes": saved, "step_s": statistics.median(times), "loss": float(loss),
-                       "reference_loss": reference}, fh)
-    if cp > 1:
-        os._exit(0)  # no destroy_process_group (as the test harness)
+    report(rank, tmp, {"saved_bytes": saved, "step_s": statistics.median(times), "loss": float(loss),
+                       "reference_loss": reference})
+    os._exit(0)  # no destroy_process_group (as the test harness)
 
 
 def run(cp: int, seq: int, repeats: int) -> dict:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        if cp == 1:
-            _worker(0, 1, seq, repeats, tmp)
-        else:
-            mp.spawn(_worker, args=(cp, seq, repeats, tmp), nprocs=cp, join=True)
-        with open(f"{tmp}/result.json") as fh:
-            return json.load(fh)
+    return run_workers(_worker, cp, seq, repeats)
 
 
 def planned_ratio(seq: int, cp: int) -> float:

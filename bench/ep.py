@@ -23,11 +23,11 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from gloo_workers import init_gloo, report, run_workers
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -117,7 +117,7 @@ def _timed(fn, warmup: int, repeats: int, group) -> float:
 def _worker(rank: int, world: int, args, tmp: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    init_gloo(rank, world, tmp)
     from moeflow.ep import Buffer
 
     group = dist.group.WORLD
@@ -151,9 +151,7 @@ def _worker(rank: int, world: int, args, tmp: str) -> None:
                                  tokens_per_rank=args.tokens, hidden=args.hidden, dtype="bf16", top_k=8,
                                  dispatch_intra=b[0], dispatch_inter=b[1], combine_intra=b[2],
                                  combine_inter=b[3], time_ms=t * 1e3))
-    if rank == 0:
-        with open(os.path.join(tmp, "rows.json"), "w") as f:
-            json.dump(rows, f)
+    report(rank, tmp, rows)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -232,14 +230,9 @@ def main(argv=None) -> None:
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    import torch.multiprocessing as mp
-
     rows = []
     for world in [int(w) for w in args.worlds.split(",")]:
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_worker, args=(world, args, tmp), nprocs=world, join=True)
-            with open(os.path.join(tmp, "rows.json")) as f:
-                rows += json.load(f)
+        rows += run_workers(_worker, world, args)
     out = args.out
     os.makedirs(out, exist_ok=True)
     meta = dict(machine=platform.machine(), cpu_count=os.cpu_count(), python=platform.python_version(),

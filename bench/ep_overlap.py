@@ -23,11 +23,11 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from gloo_workers import init_gloo, report, run_workers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(REPO, "bench", "out")
@@ -75,7 +75,7 @@ def timed(fns: dict, repeats: int, barrier=None) -> dict[str, float]:
 def worker(rank: int, world: int, G: int, configs: list, repeats: int, tmp: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    init_gloo(rank, world, tmp)
     from moeflow.parallel.expert import apply_expert_parallel
 
     base = make_moe()
@@ -105,20 +105,13 @@ def worker(rank: int, world: int, G: int, configs: list, repeats: int, tmp: str)
     # the slowest rank's median: the step of an EP group is as long as its slowest member's
     values = torch.tensor([result[k] for k in sorted(result)], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        with open(f"{tmp}/result.json", "w") as fh:
-            json.dump(dict(zip(sorted(result), values.tolist())), fh)
+    report(rank, tmp, dict(zip(sorted(result), values.tolist())))
     dist.barrier()
     os._exit(0)
 
 
 def run_world(world: int, G: int, configs: list, repeats: int) -> dict:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(world, G, configs, repeats, tmp), nprocs=world, join=True)
-        with open(f"{tmp}/result.json") as fh:
-            return json.load(fh)
+    return run_workers(worker, world, G, configs, repeats)
 
 
 def baseline_ms(repeats: int) -> float:

@@ -20,11 +20,11 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from gloo_workers import init_gloo, report, run_workers
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,8 +65,7 @@ def measure(cfg, info, steps: int, warmup: int) -> dict:
 def _worker(rank: int, world: int, cases: dict, steps: int, warmup: int, tmp: str) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    init_gloo(rank, world, tmp)
     from moeflow.config import load_config, parse_overrides
     from moeflow.train.distributed import DistInfo
 
@@ -75,19 +74,12 @@ def _worker(rank: int, world: int, cases: dict, steps: int, warmup: int, tmp: st
     for name, extra in cases.items():
         cfg = load_config(None, {**parse_overrides([*MODEL, *extra]), "run_dir": f"{tmp}/{len(out)}"})
         out[name] = measure(cfg, info, steps, warmup)
-    if rank == 0:
-        with open(f"{tmp}/result.json", "w") as fh:
-            json.dump(out, fh)
+    report(rank, tmp, out)
     os._exit(0)
 
 
 def run_world(world: int, cases: dict, steps: int, warmup: int) -> dict:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, cases, steps, warmup, tmp), nprocs=world, join=True)
-        with open(f"{tmp}/result.json") as fh:
-            return json.load(fh)
+    return run_workers(_worker, world, cases, steps, warmup)
 
 
 def write_png(rows: list[dict], path: str) -> None:
