@@ -350,6 +350,29 @@ def test_expert_impls_agree(counts):
             torch.testing.assert_close(a, w.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "bmm", "loop", "aligned"])
+def test_expert_impls_take_a_static_tail(impl):
+    """A static receive size hands the experts more rows than the counts cover (the tail is masked out by the
+    combine): every path computes the counted rows as the naive loop does, and bmm / loop give the tail zeros."""
+    E, D, Fh, counts, tail = 3, 8, 4, [2, 0, 3], 4
+    g = torch.Generator().manual_seed(5)
+    w = [torch.randn(E, D, Fh, generator=g), torch.randn(E, D, Fh, generator=g), torch.randn(E, Fh, D, generator=g)]
+    x = torch.randn(sum(counts) + tail, D, generator=g)
+    if impl == "aligned":  # the FP8 path: groups padded to a kernel's alignment first
+        experts = GroupedExperts(E, D, Fh, impl="grouped_mm")
+        with torch.no_grad():
+            for p, v in zip((experts.w1, experts.w3, experts.w2), w):
+                p.copy_(v)
+        experts.group_alignment = 16
+        y = experts(x, torch.tensor(counts))
+    else:
+        y = expert_matmuls(x, torch.tensor(counts), *w, impl)
+    assert y.shape == (sum(counts) + tail, D)
+    torch.testing.assert_close(y[:sum(counts)], _naive_experts(x[:sum(counts)], counts, *w), atol=1e-5, rtol=1e-5)
+    if impl in ("bmm", "loop"):
+        assert y[sum(counts):].abs().sum() == 0
+
+
 @pytest.mark.parametrize("dim,hidden", [(6, 8), (8, 5), (8, 4)])
 def test_grouped_experts_auto_handles_unaligned_widths_and_sum_gradient(dim, hidden):
     """'auto' must not pick grouped_mm where torch rejects the strides, and y.sum().backward() (a stride-0

@@ -217,6 +217,7 @@ class Buffer:
         if backend == "hierarchical":
             self.topo.inter, self.topo.intra = self._subgroup_comms(global_ranks, node_of)
         self._backend = make_backend(backend, self.topo) if self._external is None else None
+        self._static = StaticBackend(self.topo)  # the num_worst_tokens path, whatever the backend
 
     def _subgroup_comms(self, global_ranks: list[int], node_of: list[int]) -> tuple[Comm, Comm]:
         """Comms over the ranks sharing our local rank (one per node) and over our node.
@@ -264,8 +265,7 @@ class Buffer:
     def reset_stats(self) -> None:
         for name in EPStats.__dataclass_fields__:
             setattr(self.stats, name, 0)
-        if hasattr(self, "_static"):
-            self._static.overflow = None
+        self._static.overflow = None
 
     def destroy(self) -> None:
         pass
@@ -434,7 +434,7 @@ class Buffer:
         counts_list: list[int] = []
         if static:
             rows = W
-            backend = self._static_backend()
+            backend = self._static
             pending = backend.dispatch(
                 wire.pack(payload), backend.plan_slots(mask_TR, W), _padding_row(specs, len(xs), K, xs[0].device),
                 lambda rows_nB: (idx_of(rows_nB) >= 0).any(1), W, "Buffer.dispatch", async_op=True)
@@ -473,7 +473,7 @@ class Buffer:
                     recv_w[:n].copy_(torch.where(recv_idx[:n] >= 0, recv[len(xs) + 1], 0.0))
                     recv_w[n:].zero_()
             handle.plan = plan
-            return recv_rows
+            return None  # the outputs are filled; a returned value would stay alive in the Pending until backward
 
         pending.then(arrived)
         handle.pending = pending
@@ -484,16 +484,11 @@ class Buffer:
             handle.ready()
         return [*recv_xs, recv_w], (recv_idx, counts_list, handle), flight
 
-    def _static_backend(self) -> StaticBackend:
-        if not hasattr(self, "_static"):
-            self._static = StaticBackend(self.topo)
-        return self._static
-
     @property
     def static_overflow(self) -> torch.Tensor | None:
         """(token, rank) copies the static path could not send (num_worst_tokens too small), on the device;
         read it where the caller syncs anyway. None before any static dispatch."""
-        return getattr(self, "_static", None) and self._static.overflow
+        return self._static.overflow
 
     def _exchange_counts(self, T: int, mask_TR, topk_idx, num_experts) -> Counts:
         """Every rank's tokens per destination rank, node and expert (one all_gather)."""
@@ -531,7 +526,7 @@ class Buffer:
                 for out, got in zip(outs, wire.unpack(recv_rows, specs)):
                     out[:got.shape[0]].copy_(got)
                     out[got.shape[0]:].zero_()
-            return recv_rows
+            return None  # (see _start_new's arrived)
 
         pending.then(arrived)
         flight = Flight(pending, lambda grads, async_op_: self._cached_backward(handle, grads, async_op_),
@@ -558,7 +553,7 @@ class Buffer:
             with torch.no_grad():
                 for out, got in zip(outs, from_f32(mat_TC, specs)):
                     out.copy_(got)
-            return mat_TC
+            return None  # (see _start_new's arrived)
 
         pending.then(arrived)
         return outs, pending

@@ -35,7 +35,7 @@ class Pending:
     def __init__(self, value=None, work=None, comm: Comm | None = None, op: str = ""):
         self._value, self._work, self._comm, self._op = value, work, comm, op
         self._steps: list = []
-        self._done = work is None and not self._steps
+        self._done = work is None
 
     @staticmethod
     def ready(value) -> Pending:
@@ -72,10 +72,17 @@ class Comm:
         self.size = len(members)
         self.index = members.index(me)
         self.node_of, self.timeout_s, self.stats = node_of, timeout_s, stats
+        # NCCL's Work.wait orders the current stream after the collective; gloo's blocks the host anyway
+        self.on_device = dist.is_initialized() and dist.get_backend(group) != "gloo"
 
     def _wait(self, work, op: str) -> None:
         try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            if self.on_device:
+                # NCCL: a plain wait only makes the current stream wait; with a timeout it blocks the host until
+                # the collective ends (a host sync per call). The process group's own timeout covers hangs.
+                work.wait()
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except Exception as exc:  # gloo raises RuntimeError("... timed out ..."), NCCL DistBackendError
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 raise TimeoutError(

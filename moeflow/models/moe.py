@@ -252,7 +252,7 @@ def permute_by_expert(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torc
     flat = topk_idx_TK.reshape(-1)
     key = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)  # dropped pairs sort last
     order = torch.argsort(key, stable=True)
-    counts_E = torch.bincount(flat[flat >= 0], minlength=num_experts)
+    counts_E = expert_counts(topk_idx_TK, num_experts)
     n_valid = int(counts_E.sum())  # host sync: the output size of the expert matmuls
     return order[:n_valid], counts_E
 
@@ -398,8 +398,10 @@ class GroupedExperts(nn.Module):
 def pad_groups(x_ND: torch.Tensor, counts_E: torch.Tensor, alignment: int):
     """(x_PD, counts_E, rows_N): every expert's rows padded with zero rows to a multiple of `alignment`, and where
     each of the N rows went. P = N + E * (alignment - 1) rounded up to the alignment, a size known without a host
-    sync: the slack beyond the rounded groups goes to the last expert (still a multiple of the alignment)."""
+    sync: the slack beyond the rounded groups goes to the last expert (still a multiple of the alignment), and so
+    do the rows past the counted ones (a static receive size's tail, masked out by the combine)."""
     N, E = x_ND.shape[0], counts_E.numel()
+    counts_E = torch.cat([counts_E[:-1], counts_E[-1:] + (N - counts_E.sum())])  # static tail rows: last expert
     P = -(-(N + E * (alignment - 1)) // alignment) * alignment
     padded_E = (counts_E + alignment - 1) // alignment * alignment
     padded_E = torch.cat([padded_E[:-1], (P - padded_E[:-1].sum()).view(1)])
@@ -428,26 +430,33 @@ def expert_matmuls(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD, impl: str) -> torch.T
     if impl == "bmm":
         return _padded_bmm(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD)
     if impl == "loop":
-        outs = []
-        # host sync: segment lengths to slice each expert's rows
-        for e, x_nD in enumerate(torch.split(x_ND, counts_E.tolist())):
-            outs.append(_swiglu(x_nD @ w1_EDF[e], x_nD @ w3_EDF[e]) @ w2_EFD[e])
-        return torch.cat(outs)
+        # host sync: segment lengths to slice each expert's rows (and the uncounted tail of a static size)
+        *groups, tail = torch.split(x_ND, _with_tail(counts_E, x_ND.shape[0]).tolist())
+        outs = [_swiglu(x_nD @ w1_EDF[e], x_nD @ w3_EDF[e]) @ w2_EFD[e] for e, x_nD in enumerate(groups)]
+        return torch.cat([*outs, tail.new_zeros(tail.shape[0], w2_EFD.shape[-1])])
     raise ValueError(f"model.moe.expert_impl = {impl!r}; choose one of {GroupedExperts.IMPLS} or 'auto'")
 
 
+def _with_tail(counts_E: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[E + 1]: the counts, then the rows past them (under a static receive size, the unused tail; else 0)."""
+    return torch.cat([counts_E, (num_rows - counts_E.sum()).view(1)])
+
+
 def _padded_bmm(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD):
-    """Scatter rows into [E, C, D] (C = the largest count), three bmm, gather back."""
-    E = counts_E.numel()
+    """Scatter rows into [E, C, D] (C = the largest count), three bmm, gather back; rows past the counted ones
+    (a static size's tail) go to one spare slot and come back as zeros."""
+    E, N = counts_E.numel(), x_ND.shape[0]
     C = int(counts_E.max())  # host sync: the padded size
-    starts_E = torch.cumsum(counts_E, 0) - counts_E
-    expert_N = torch.repeat_interleave(torch.arange(E, device=x_ND.device), counts_E, output_size=x_ND.shape[0])
-    slot_N = torch.arange(x_ND.shape[0], device=x_ND.device) - starts_E[expert_N]
-    flat_slot_N = expert_N * C + slot_N
-    x_ECD = x_ND.new_zeros(E * C, x_ND.shape[1]).index_copy(0, flat_slot_N, x_ND).view(E, C, -1)
+    counts_E1 = _with_tail(counts_E, N)
+    starts_E1 = torch.cumsum(counts_E1, 0) - counts_E1
+    expert_N = torch.repeat_interleave(torch.arange(E + 1, device=x_ND.device), counts_E1, output_size=N)
+    slot_N = torch.arange(N, device=x_ND.device) - starts_E1[expert_N]
+    flat_slot_N = torch.where(expert_N < E, expert_N * C + slot_N, E * C)
+    x_ECD = x_ND.new_zeros(E * C + 1, x_ND.shape[1]).index_copy(0, flat_slot_N, x_ND)[:E * C].view(E, C, -1)
     h_ECF = _swiglu(torch.bmm(x_ECD, w1_EDF), torch.bmm(x_ECD, w3_EDF))
     y_ECD = torch.bmm(h_ECF, w2_EFD)
-    return y_ECD.reshape(E * C, -1).index_select(0, flat_slot_N)
+    spare = y_ECD.new_zeros(1, y_ECD.shape[-1])
+    return torch.cat([y_ECD.reshape(E * C, -1), spare]).index_select(0, flat_slot_N)
 
 
 class MoE(nn.Module):
