@@ -110,10 +110,6 @@ def worker(rank: int, world: int, G: int, configs: list, repeats: int, tmp: str)
     os._exit(0)
 
 
-def run_world(world: int, G: int, configs: list, repeats: int) -> dict:
-    return run_workers(worker, world, G, configs, repeats)
-
-
 def baseline_ms(repeats: int) -> float:
     torch.set_num_threads(1)
     moe = make_moe()
@@ -145,22 +141,24 @@ def gpu_projection() -> list[dict]:
         cfg = (ModelConfig(dim=D, n_layers=1, moe=MoEConfig(num_experts=E, top_k=K, ffn_dim=F)) if model == "bench"
                else get_preset(model))
         seq = T if model == "bench" else 4096
-        job = Job(cfg, get_gpu(gpu), nodes, 8, seq, seq * 8 * nodes)
         lay = Layout(1, 8 * nodes, 1, 1, ep, 3, 1, "none")
-        rows = [moe_layer_projection(job, lay, chunks) for chunks in (0, 1, 2, 4)]
-        out.append({"case": label, "gpu": gpu, "ep": ep, "compute_ms": rows[0]["compute_s"] * 1e3,
-                    "layer_ms": {r["chunks"]: r["layer_s"] * 1e3 for r in rows},
-                    "ratio": {r["chunks"]: r["layer_s"] / r["compute_s"] for r in rows}})
+        for static in (False, True):  # parallel.ep_num_worst_tokens 0 (a host sync per dispatch) or -1
+            job = Job(cfg, get_gpu(gpu), nodes, 8, seq, seq * 8 * nodes, ep_static_sizes=static)
+            rows = [moe_layer_projection(job, lay, chunks) for chunks in (0, 1, 2, 4)]
+            out.append({"case": label, "sizes": "static" if static else "exact", "gpu": gpu, "ep": ep,
+                        "compute_ms": rows[0]["compute_s"] * 1e3,
+                        "layer_ms": {r["chunks"]: r["layer_s"] * 1e3 for r in rows},
+                        "ratio": {r["chunks"]: r["layer_s"] / r["compute_s"] for r in rows}})
     return out
 
 
 def print_projection(proj: list[dict]) -> None:
     print("\nthe same schedule on GPUs (moeflow.plan.overlap; layer fwd+bwd / its expert compute alone):")
-    print(f"{'case':<62} {'gpu':<9} {'compute ms':>10} {'off':>6} {'c=1':>6} {'c=2':>6} {'c=4':>6}")
+    print(f"{'case':<62} {'sizes':<6} {'gpu':<9} {'compute ms':>10} {'off':>6} {'c=1':>6} {'c=2':>6} {'c=4':>6}")
     for p in proj:
         r = p["ratio"]
-        print(f"{p['case']:<62} {p['gpu']:<9} {p['compute_ms']:>10.3f} {r[0]:>5.2f}x {r[1]:>5.2f}x {r[2]:>5.2f}x "
-              f"{r[4]:>5.2f}x")
+        print(f"{p['case']:<62} {p['sizes']:<6} {p['gpu']:<9} {p['compute_ms']:>10.3f} {r[0]:>5.2f}x {r[1]:>5.2f}x "
+              f"{r[2]:>5.2f}x {r[4]:>5.2f}x")
 
 
 def main() -> None:
@@ -182,7 +180,7 @@ def main() -> None:
     print(f"one process, 1024 tokens, 16 experts: {base:.1f} ms fwd+bwd ({cpu_flops / 1e9:.1f} GFLOP/s)")
     print(f"{'ranks':>5} {'nodes':>5} {'overlap':>7} {'chunks':>6} {'ms/rank':>8} {'vs 1 process':>12}")
     for world, G in worlds:
-        res = run_world(world, G, configs, repeats)
+        res = run_workers(worker, world, G, configs, repeats)
         results["worlds"][f"{world}x{G}"] = res
         for overlap, chunks in configs:
             ms = res[f"{'on' if overlap else 'off'}/{chunks}"]
@@ -203,6 +201,8 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from moeflow.figures import save_figure
+
     fig, ax = plt.subplots(figsize=(7, 3.5))
     labels = [f"{w}r {'on' if o else 'off'} c{c}" for w, _, o, c, _, _ in rows]
     ax.bar(range(len(rows)), [r[5] for r in rows], color=["tab:blue" if r[2] else "tab:gray" for r in rows])
@@ -210,8 +210,7 @@ def main() -> None:
     ax.set_xticks(range(len(rows)), labels, rotation=70, fontsize=7)
     ax.set_ylabel("EP layer / one-process block")
     ax.set_title("EP MoE layer fwd+bwd per rank (gloo, CPU), overlap on (blue) / off (grey)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(OUT, "ep_overlap.png"), dpi=120)
+    save_figure(fig, os.path.join(OUT, "ep_overlap.png"))
     print(f"wrote {OUT}/ep_overlap.json and ep_overlap.png")
 
 

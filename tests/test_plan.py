@@ -476,11 +476,23 @@ def test_in_layer_overlap_schedule_by_hand():
     assert moe_layer_seconds(1.0, 4.0, 1.0, 0.0, 2) == 10.0
     # two communication-bound chunks (d = m = 4, c = 1): the communication engine never idles: 4 x 4
     assert moe_layer_seconds(4.0, 1.0, 4.0, 0.0, 2) == 16.0
-    # exposed: the wall time less the compute; the backward doubles the compute and swaps the moves
-    fwd, bwd = exposed_ep_seconds(1.0, 8.0, 1.0, 0.0, 2)
-    assert fwd == 2.0  # the first dispatch and the last combine
-    assert bwd == moe_layer_seconds(1.0, 8.0, 1.0, 0.0, 2) - 16.0 == 2.0
-    assert exposed_ep_seconds(1.0, 8.0, 2.0, 0.0, 0) == (3.0, 3.0)
+    # exact sizes: each dispatch's counts (0.5) reach the host first, queued behind the engine's work.
+    # 2 chunks: n0 [0,.5] D0 [.5,1.5]; n1 [1.5,2] D1 [2,3]; C0 [2,6]; M0 [6,7]; C1 [6,10]; M1 [10,11]
+    assert moe_layer_seconds(1.0, 4.0, 1.0, 0.0, 2, counts_s=0.5) == 11.0
+    # 3 chunks: the third count exchange waits behind M0, so the host cannot issue C1 until 7.5:
+    # ... C0 [2,6]; M0 [6,7]; n2 [7,7.5] D2 [7.5,8.5]; C1 [7.5,11.5]; M1 [11.5,12.5]; C2 [11.5,15.5]; M2 [15.5,16.5]
+    assert moe_layer_seconds(1.0, 4.0, 1.0, 0.0, 3, counts_s=0.5) == 16.5
+    assert moe_layer_seconds(1.0, 4.0, 1.0, 0.0, 3) == 14.0  # static sizes: only D0 and M2 are exposed
+    # exposed: the wall time less the unchunked compute. Chunks of 4.5 s against 8 s unchunked (weights read
+    # twice): forward D0 [0,1] C0 [1,5.5] C1 [5.5,10] M1 [10,11] -> 11 - 8 = 3; backward (no counts, compute x2)
+    # M-direction first [0,1] C0 [1,10] C1 [10,19] last [19,20] -> 20 - 16 = 4
+    # with counts (0.5): n0 [0,.5] D0 [.5,1.5] n1 [1.5,2] D1 [2,3]; the host issues C0 at 2: C0 [2,6.5]
+    # C1 [6.5,11] M1 [11,12] -> 12 - 8 = 4
+    assert exposed_ep_seconds(1.0, 4.5, 1.0, 0.0, 2, 8.0, counts_s=0.5) == (4.0, 4.0)
+    assert exposed_ep_seconds(1.0, 4.5, 1.0, 0.0, 2, 8.0) == (3.0, 4.0)
+    # a zero-bubble schedule's backward hides behind the input gradients only
+    assert exposed_ep_seconds(1.0, 4.5, 1.0, 0.0, 2, 8.0, backward_factor=1.0)[1] == 11.0 - 8.0
+    assert exposed_ep_seconds(1.0, 8.0, 2.0, 0.0, 0, 8.0) == (3.0, 3.0)
 
 
 def test_planner_costs_the_trainers_ep_chunks():
@@ -491,15 +503,25 @@ def test_planner_costs_the_trainers_ep_chunks():
         job.ep_chunks = chunks
         job.stats.cache.clear()
         ep[chunks] = step_time(job, layout)["ep_s"]
-    # the shared experts hide part of the first dispatch; chunks hide more, up to the latency they add
+    # the shared experts hide part of the first dispatch; chunks hide more, up to the latency and weight reads
+    # they add
     assert ep[0] > ep[1] > ep[2] > 0 and ep[4] < ep[0]
+    job.ep_chunks, job.ep_static_sizes = 4, True  # no host sync per dispatch: less exposed
+    assert step_time(job, layout)["ep_s"] < ep[4]
+    job.ep_static_sizes = False
     # full recomputation runs the forward's dispatch and combine again in backward
-    job.ep_chunks = 0
-    full = step_time(job, Layout(1, 256, 1, 1, 64, 3, 1, "full"))["ep_s"]
-    assert full == pytest.approx(1.5 * ep[0])
-    job.ep_chunks = -1
-    with pytest.raises(ValueError, match="--ep-chunks must be 0"):
-        job.validate()
+    job.ep_chunks, job.ep_static_sizes = 0, True  # (no count exchange, which only the forward has)
+    plain, full = (step_time(job, Layout(1, 256, 1, 1, 64, 3, 1, ac))["ep_s"] for ac in ("none", "full"))
+    assert full == pytest.approx(1.5 * plain)
+    job.ep_static_sizes = False
+    for chunks in (-1, 4097):
+        job.ep_chunks = chunks
+        with pytest.raises(ValueError, match="--ep-chunks must be 0"):
+            job.validate()
+    job.ep_chunks = 1
+    for bad in (0.0, -5.0, float("nan")):
+        with pytest.raises(ValueError, match="--inter-gbps must be a positive number of GB/s"):
+            job_for(get_preset("deepseek-v3"), "H800", 32, 8, 4096, 4096 * 1024, inter_gbps=bad).validate()
 
 
 def test_fp8_speeds_up_matmuls_only():

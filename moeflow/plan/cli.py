@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep-chunks", type=int, default=1,
                    help="the trainer's expert-parallel overlap inside the MoE layer: its parallel.ep_overlap_chunks "
                    "(default 1: the first dispatch behind the shared experts); 0 for parallel.ep_overlap=false")
+    p.add_argument("--ep-static", action="store_true",
+                   help="cost the trainer's static EP receive sizes (parallel.ep_num_worst_tokens=-1): no host sync "
+                   "for each dispatch's counts, so chunks overlap fully")
     p.add_argument("--ep-overlap", action="store_true",
                    help="cost expert-parallel dispatch/combine as overlapped with another micro-batch's compute, "
                    "hidden up to that compute (DualPipe; the trainer does not run it: use it to model runs that do)")
@@ -127,7 +130,7 @@ def plan(job: Job, cons: Constraints | None = None, top: int = 5, infeasible: in
         "hardware": {"memory_gb": job.gpu.memory_gb, "peak_tflops": job.gpu.peak_flops(job.precision) / 1e12,
                      "matmul_efficiency": job.gpu.matmul_fraction(job.precision), "hbm_gbps": job.gpu.hbm_gbps,
                      "intra_gbps": job.intra, "inter_gbps": job.inter, "ep_overlap": job.ep_overlap,
-                     "ep_chunks": job.ep_chunks, "source": job.gpu.source},
+                     "ep_chunks": job.ep_chunks, "ep_static_sizes": job.ep_static_sizes, "source": job.gpu.source},
         "searched": job.stats.cache.get("searched", len(results)),
         "feasible": len(ok),
         "layouts": [r.as_dict() for r in ok[:top] + bad],
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu = replace(gpu, matmul_efficiency=args.efficiency, fp8_matmul_efficiency=args.efficiency)
         job = Job(cfg, gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch_tokens,
                   args.precision, args.intra_gbps, args.inter_gbps, ep_overlap=args.ep_overlap,
-                  ep_chunks=args.ep_chunks)
+                  ep_chunks=args.ep_chunks, ep_static_sizes=args.ep_static)
         cons = Constraints(args.tp, args.pp, args.ep, args.zero, args.pp_schedule, args.cp)
         out = plan(job, cons, args.top, args.infeasible)
     except ValueError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
@@ -69,6 +70,9 @@ class Job:
     chunks, one chunk's dispatch and another's combine in flight while a chunk's experts compute, the first
     dispatch behind the shared experts. The trainer's `parallel.ep_overlap_chunks` (default 1); 0 for
     `parallel.ep_overlap = false`."""
+    ep_static_sizes: bool = False
+    """The trainer's `parallel.ep_num_worst_tokens = -1`: static receive sizes, so a dispatch does not wait on the
+    host for its counts (moeflow.plan.overlap); false is the default exact sizes, one host sync per dispatch."""
     ep_overlap: bool = False
     """Expert-parallel dispatch/combine runs while another micro-batch computes (DualPipe, DeepSeek-V3 report
     sec. 3.2.1), hidden up to that compute (moeflow.plan.time). The trainer does not schedule micro-batches
@@ -84,11 +88,11 @@ class Job:
 
     @property
     def intra(self) -> float:
-        return self.intra_gbps or self.gpu.intra_gbps
+        return self.gpu.intra_gbps if self.intra_gbps is None else self.intra_gbps
 
     @property
     def inter(self) -> float:
-        return self.inter_gbps or self.gpu.inter_gbps
+        return self.gpu.inter_gbps if self.inter_gbps is None else self.inter_gbps
 
     def validate(self) -> Job:
         for key in ("nodes", "gpus_per_node", "seq_len", "global_batch_tokens"):
@@ -110,9 +114,13 @@ class Job:
                     f"too few for {self.world} GPUs; raise it to at least "
                     f"{self.world // max_split * self.seq_len} or use fewer --nodes"
                 )
-        if self.ep_chunks < 0:
-            raise ValueError(f"--ep-chunks must be 0 (no overlap) or more, got {self.ep_chunks}; the trainer's "
-                             f"default is 1")
+        if not 0 <= self.ep_chunks <= self.seq_len:
+            raise ValueError(f"--ep-chunks must be 0 (no overlap) to --seq-len ({self.seq_len}), got "
+                             f"{self.ep_chunks}; the trainer's default is 1")
+        for flag, value in (("--intra-gbps", self.intra_gbps), ("--inter-gbps", self.inter_gbps)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{flag} must be a positive number of GB/s, got {value}; leave it out for the "
+                                 f"GPU's own ({self.gpu.name})")
         self.gpu.peak_flops(self.precision)  # raises for fp8 on a part without fp8
         if self.gpu.hbm_gbps <= 0:
             raise ValueError(f"GPU {self.gpu.name!r} has no memory bandwidth (hbm_gbps = {self.gpu.hbm_gbps}); the "

@@ -74,47 +74,52 @@ def _layer_costs(job: Job, lay: Layout) -> tuple[FBW, FBW, FBW]:
     return cache[key]
 
 
-def _ep_moves(job: Job, lay: Layout, links: Links, chunks: int = 1) -> tuple[float, float]:
-    """(dispatch, combine) seconds of one chunk of one MoE layer's forward for one micro-batch, its tokens split
-    into `chunks` chunks (the backward moves the same bytes the other way)."""
+def _ep_moves(job: Job, lay: Layout, chunks: int = 1) -> tuple[float, float, float]:
+    """(dispatch, combine, count exchange) seconds of one chunk of one MoE layer's forward for one micro-batch,
+    its tokens split into `chunks` chunks (the backward moves the same bytes the other way)."""
     cfg = job.model
-    if not cfg.is_moe or lay.ep == 1:
-        return 0.0, 0.0
-    key = ("ep", lay.micro_batch, lay.tp, lay.ep, job.precision, job.intra, job.inter, chunks)
+    key = ("ep", lay.micro_batch, lay.tp, lay.ep, job.intra, job.inter, chunks)
     cache = job.stats.cache
     if key not in cache:
+        links = Links(job.intra, job.inter)
         rpn = max(1, min(lay.ep, job.gpus_per_node // lay.tp))
         strategy = "node" if lay.ep > rpn else "rank"
         c_intra, c_inter = expected_uniform_copies(cfg.moe.num_experts, cfg.moe.top_k, lay.ep, rpn, strategy)
         d_row, c_row = row_bytes(cfg.dim, cfg.moe.top_k, "bf16")  # training.fp8 converts matmuls, not the EP wire
         tok = job.seq_len * lay.micro_batch / lay.tp / max(chunks, 1)
-        cache[key] = tuple(links.time(tok * c_intra * row, tok * c_inter * row) for row in (d_row, c_row))
+        # the count exchange: an all-gather of (1 + ranks + nodes + experts) int64 per rank (moeflow.ep.Buffer)
+        counts = 8 * lay.ep * (1 + lay.ep + lay.ep // rpn + cfg.moe.num_experts)
+        cache[key] = (*(links.time(tok * c_intra * row, tok * c_inter * row) for row in (d_row, c_row)),
+                      links.time(counts, 0) if lay.ep <= rpn else links.time(0, counts))
     return cache[key]
 
 
 def moe_layer_projection(job: Job, lay: Layout, chunks: int) -> dict:
-    """One MoE layer, forward + backward of one micro-batch, on the job's GPUs: the expert compute and the layer's
-    wall time when the trainer overlaps expert-parallel communication in `chunks` chunks (0: no overlap)."""
-    dispatch, combine = _ep_moves(job, lay, Links(job.intra, job.inter), chunks)
-    _, shared, routed = moe_matmul_seconds(job.model, job.seq_len * lay.micro_batch / lay.tp, lay.ep, rates(job))
-    fwd, bwd = exposed_ep_seconds(dispatch, routed, combine, shared, chunks)
+    """One MoE layer, forward + backward of one micro-batch per rank, as the trainer overlaps its expert-parallel
+    communication in `chunks` chunks (0: no overlap; moeflow.plan.overlap): its unchunked compute, and the
+    seconds forward and backward take beyond it."""
+    dispatch, combine, counts = _ep_moves(job, lay, chunks)
+    tokens, r = job.seq_len * lay.micro_batch / lay.tp, rates(job)
+    _, shared, routed = moe_matmul_seconds(job.model, tokens, lay.ep, r)
+    chunk = moe_matmul_seconds(job.model, tokens / max(chunks, 1), lay.ep, r)[2]
+    zero_bubble = lay.pp > 1 and lay.pp_schedule in ZERO_BUBBLE
+    fwd, bwd = exposed_ep_seconds(dispatch, chunk, combine, shared, chunks, routed,
+                                  None if job.ep_static_sizes else counts, 1.0 if zero_bubble else 2.0)
     compute = 3 * (routed + shared)
-    return {"chunks": chunks, "compute_s": compute, "dispatch_s": dispatch, "combine_s": combine,
+    return {"chunks": chunks, "compute_s": compute, "forward_s": fwd, "backward_s": bwd,
             "layer_s": compute + fwd + bwd}
 
 
-def _ep_exposed(job: Job, lay: Layout, links: Links, comp: FBW) -> tuple[float, float]:
-    """(forward, backward) expert-parallel seconds one MoE layer adds to one micro-batch, per the trainer's
-    overlap (`Job.ep_chunks`, moeflow.plan.overlap) or, under `Job.ep_overlap`, hidden behind another
-    micro-batch's compute `comp` (the caller scales that compute for the SMs communication holds)."""
-    if job.ep_overlap:
-        dispatch, combine = _ep_moves(job, lay, links)
-        return dispatch + combine, dispatch + combine
-    dispatch, combine = _ep_moves(job, lay, links, job.ep_chunks)
-    if dispatch == combine == 0.0:
+def _ep_exposed(job: Job, lay: Layout) -> tuple[float, float]:
+    """(forward, backward) expert-parallel seconds one MoE layer adds to one micro-batch: per the trainer's overlap
+    (`Job.ep_chunks`), or under `Job.ep_overlap` all of it (the caller hides it behind another micro-batch)."""
+    if not job.model.is_moe or lay.ep == 1:
         return 0.0, 0.0
-    _, shared, routed = moe_matmul_seconds(job.model, job.seq_len * lay.micro_batch / lay.tp, lay.ep, rates(job))
-    return exposed_ep_seconds(dispatch, routed, combine, shared, job.ep_chunks)
+    if job.ep_overlap:
+        dispatch, combine, _ = _ep_moves(job, lay)
+        return dispatch + combine, dispatch + combine
+    p = moe_layer_projection(job, lay, job.ep_chunks)
+    return p["forward_s"], p["backward_s"]
 
 
 def _ranks(job: Job, lay: Layout) -> list[tuple]:
@@ -156,7 +161,7 @@ def _rank_micro_batch(job: Job, lay: Layout, rank: tuple, links: Links) -> dict:
         one = ring_time(s * b * cfg.dim * 2, t, 1.0, bw, alpha)
         tp = one * (4 * n_dense + 2 * n_moe)  # forward collectives; the backward has as many
     tp_f, tp_b = tp, tp * (2 if lay.activation_checkpointing == "full" else 1)
-    ep_f, ep_b = (n_moe / lay.cp * s for s in _ep_exposed(job, lay, links, comp))
+    ep_f, ep_b = (n_moe / lay.cp * s for s in _ep_exposed(job, lay))
     if job.ep_overlap and ep_f > 0:
         comp = comp.scale(1 / (1 - COMM_SM_SHARE))
         ep_f = ep_b = max(0.0, ep_f + ep_b - comp.total) / 2
