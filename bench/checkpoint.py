@@ -83,7 +83,8 @@ def measure(cfg, info, rounds: int, per_block: int, every: int, tmp: str) -> dic
 def _worker(rank: int, world: int, model: list[str], cycles: int, every: int, tmp: str) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
-    init_gloo(rank, world, tmp)
+    if world > 1:  # one process trains as a user's single-process run does: no process group
+        init_gloo(rank, world, tmp)
     from moeflow.config import load_config, parse_overrides
     from moeflow.train.distributed import DistInfo
 

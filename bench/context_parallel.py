@@ -132,6 +132,8 @@ def write_png(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from moeflow.figures import save_figure
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     names = [f"cp={r['cp']}" for r in rows]
     ax1.bar(names, [r["saved_bytes"] / 1e6 for r in rows], label="measured (largest rank)")
@@ -140,8 +142,7 @@ def write_png(rows: list[dict], path: str) -> None:
     ax1.legend()
     ax2.bar(names, [r["step_s"] * 1e3 for r in rows])
     ax2.set_ylabel("forward + backward ms (2 shared CPU cores)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -365,6 +365,8 @@ def report(res: dict, out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from moeflow.figures import save_figure
+
     names = ["moeflow", "moeflow_async", "ds_drop", "ds_nodrop", "baseline"]
     fig, ax = plt.subplots(figsize=(8, 3.5))
     colors = ["tab:blue", "tab:cyan", "tab:orange", "tab:red", "tab:gray"]
@@ -375,8 +377,7 @@ def report(res: dict, out: str) -> None:
         ax.text(ms[n], i, f" {ms[n]:.1f}", va="center", fontsize=8)
     ax.set_xlabel("fwd+bwd ms per rank (slowest rank's median)")
     ax.set_title(f"MoE layer, EP=2, gloo/CPU: T={T}/rank, E={E}, top-{K}, D=F={D}, fp32", fontsize=8, loc="right")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "deepspeed_moe.png"), dpi=120)
+    save_figure(fig, os.path.join(out, "deepspeed_moe.png"))
     print(f"wrote {out}/deepspeed_moe.json and deepspeed_moe.png")
 
 

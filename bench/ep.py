@@ -184,9 +184,10 @@ def _table(rows: list[dict]) -> str:
         inter = (r["dispatch_inter"] + r["combine_inter"]) / 1e6
         binter = (b["dispatch_inter"] + b["combine_inter"]) / 1e6
         ratio = f"{inter / binter:.2f}" if binter else "-"
+        modelled = f"{model_ms(b) / model_ms(r):>7.2f}x" if model_ms(r) else f"{'-':>8}"  # one rank moves nothing
         lines.append(f"{r['world']:>2} {r['ranks_per_node']}x{r['nodes']:<3} {r['routing']:<13} {r['backend']:<13} "
                      f"{intra:>9.2f} {inter:>9.2f} {ratio:>10} {r['time_ms']:>8.2f} "
-                     f"{b['time_ms'] / r['time_ms']:>7.2f}x {model_ms(r):>9.3f} {model_ms(b) / model_ms(r):>7.2f}x")
+                     f"{b['time_ms'] / r['time_ms']:>7.2f}x {model_ms(r):>9.3f} {modelled}")
     return "\n".join(lines)
 
 

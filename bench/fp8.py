@@ -76,6 +76,8 @@ def write_png(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from moeflow.figures import save_figure
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, model in zip(axes, ("tiny-moe", "tiny-dense")):
         for name, r in results.items():
@@ -85,8 +87,7 @@ def write_png(results: dict, path: str) -> None:
         ax.set_ylabel("training loss")
         ax.set_title(model)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -25,9 +25,8 @@ def run_workers(worker, world: int, *args, tmp_dir: str | None = None):
 
 
 def init_gloo(rank: int, world: int, tmp: str) -> None:
-    """One gloo process group over the `world` local processes, met through a file in `tmp`; none for one."""
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    """One gloo process group over the `world` local processes, met through a file in `tmp`."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
 
 
 def report(rank: int, tmp: str, result) -> None:

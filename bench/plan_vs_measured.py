@@ -138,6 +138,8 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from moeflow.figures import save_figure
+
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
     for r in rows:
         ax.scatter(r["predicted_tokens_per_s"], r["measured_tokens_per_s"],
@@ -147,8 +149,7 @@ def main() -> None:
     ax.set_xlabel("predicted tokens/s (plan, calibrated)")
     ax.set_ylabel("measured tokens/s")
     ax.set_title(f"plan vs measured on this CPU: Spearman {rho:.2f}")
-    fig.tight_layout()
-    fig.savefig(out / "plan_vs_measured.png", dpi=120)
+    save_figure(fig, out / "plan_vs_measured.png")
     print(f"wrote {out / 'plan_vs_measured.json'} and .png")
 
 
