@@ -74,7 +74,8 @@ def cmd_train(argv: list[str]) -> int:
     if args.run_dir:
         overrides["run_dir"] = args.run_dir
     # A run directory continues with the config it was started with, unless --config names another.
-    cfg = load_run_config(args.run_dir, overrides) if args.run_dir and not args.config else None
+    cfg = (load_run_config(args.run_dir, overrides, model_may_change=args.fresh)
+           if args.run_dir and not args.config else None)
     if cfg is not None and "LOCAL_RANK" not in os.environ:
         print(f"moeflow train: continuing with {args.run_dir}/config.toml (the run directory's config; "
               f"--config FILE starts from another)", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import textwrap
 import tomllib
@@ -229,6 +230,9 @@ class JobConfig:
         check_choice("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
         check_choice("training.device", t.device, ("auto", "cpu", "cuda"))
         check_choice("training.fp8", t.fp8, ("none", "tensorwise", "rowwise", "mxfp8"))
+        if self.metrics.wandb and importlib.util.find_spec("wandb") is None:  # before any process starts
+            raise ValueError("metrics.wandb = true needs the wandb package: pip install -e .[wandb] (or set "
+                             "metrics.wandb = false)")
         if t.fp8 != "none":
             self._validate_fp8()
         ac = t.activation_checkpointing
@@ -253,9 +257,11 @@ class JobConfig:
         p = self.parallel
         if p.ep_overlap_chunks < 1:
             raise ValueError(f"parallel.ep_overlap_chunks must be at least 1, got {p.ep_overlap_chunks}")
-        if p.ep_num_worst_tokens < -1:
-            raise ValueError(f"parallel.ep_num_worst_tokens = {p.ep_num_worst_tokens}; use 0 (exact sizes), -1 (static "
-                             f"sizes that never drop a token) or a number of rows")
+        if p.ep_num_worst_tokens not in (0, -1):
+            # moeflow.ep.Buffer takes a row count (DeepEP's num_worst_tokens) and drops what does not fit; training
+            # would lose tokens without a word, so the trainer offers only the sizes that never drop one
+            raise ValueError(f"parallel.ep_num_worst_tokens = {p.ep_num_worst_tokens}; use 0 (exact sizes) or -1 "
+                             f"(static sizes that never drop a token)")
         if self.model.mtp_depth and self.data.packing:
             raise ValueError(f"data.packing = true with model.mtp_depth = {self.model.mtp_depth}: the MTP modules "
                              f"predict across document boundaries (no document masks yet); set data.packing = false")
@@ -284,9 +290,11 @@ class JobConfig:
             raise ValueError(f"training.fp8 = {t.fp8!r} with parallel.tp = {self.parallel.tp} is not supported yet "
                              f"(FP8 Linear layers need torchao's float8 tensor-parallel styles); use tp = 1")
         multiple = 32 if t.fp8 == "mxfp8" else 16
-        if self.data.seq_len % multiple:
+        cp = self.parallel.cp  # each cp rank holds seq_len / cp positions of every sequence
+        if self.data.seq_len % (multiple * cp):
             raise ValueError(f"training.fp8 = {t.fp8!r} reduces over a micro-batch's tokens in blocks of {multiple}; "
-                             f"data.seq_len ({self.data.seq_len}) must be a multiple of {multiple}")
+                             f"data.seq_len ({self.data.seq_len}) must be a multiple of {multiple}"
+                             + (f" x parallel.cp ({cp}) = {multiple * cp}" if cp > 1 else ""))
         if t.fp8 == "mxfp8" and t.dtype == "bf16":
             raise ValueError("training.fp8 = 'mxfp8' with training.dtype = 'bf16': torchao 0.18's MXFP8 ops do not run "
                              "under autocast (its matmuls meet bf16 and fp32 operands); use training.dtype = 'fp32' "
@@ -448,12 +456,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, typing.Any]
     return cfg.validate()
 
 
-def load_run_config(run_dir: str | Path, overrides: dict[str, typing.Any] | None = None) -> JobConfig | None:
+def load_run_config(run_dir: str | Path, overrides: dict[str, typing.Any] | None = None,
+                    model_may_change: bool = False) -> JobConfig | None:
     """The config a run directory holds (its config.toml) with `overrides` applied, or None when it has none.
 
     Overrides of how to train apply; one that changes the model's shape (or its name or Hugging Face source) is
     refused, naming it, since the directory's checkpoints hold the model of its config.toml. training.stop_at
-    belongs to the invocation that set it (a time-limited allocation), so it starts at 0 again."""
+    belongs to the invocation that set it (a time-limited allocation), so it starts at 0 again. With
+    `model_may_change` (a fresh start, which ignores the checkpoints) the model may change too."""
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         return None
@@ -463,14 +473,15 @@ def load_run_config(run_dir: str | Path, overrides: dict[str, typing.Any] | None
     before = {"model.name": saved.name, "model.hf_path": saved.hf_path, **saved.shape_settings()}
     after = {"model.name": cfg.model.name, "model.hf_path": cfg.model.hf_path, **cfg.model.shape_settings()}
     changed = [k for k in {**before, **after} if before.get(k) != after.get(k)]
-    if changed:
+    if changed and not model_may_change:
         key = changed[0]
         flags = [k for k in overrides if k == key] or [k for k in overrides if k.startswith("model.")]
         named = " ".join(f"--{k}={overrides[k]}" for k in flags) or "the run's settings now"
         raise ValueError(
             f"{named} changes the model of the run in {run_dir} ({key} = {before.get(key)!r} in {path}, "
             f"{after.get(key)!r} with the override), whose checkpoints hold the model of its config.toml; drop "
-            f"the override to continue this run, or train the changed model in another --run-dir"
+            f"the override to continue this run, add --fresh to start it over, or train the changed model in another "
+            f"--run-dir"
         )
     return cfg
 

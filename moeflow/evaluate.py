@@ -97,6 +97,9 @@ def main(argv: list[str]) -> int:
     from moeflow.generate import load_model
 
     args = _parser().parse_args(argv)
+    if args.batch_size < 1 or args.max_batches < 0 or args.seq_len < 0:
+        raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size}), --max-batches and --seq-len "
+                         f"0 or more (got {args.max_batches}, {args.seq_len}); 0 means all batches / the run's length")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg, folder, _ = load_model(args.run_dir, args.hf_path, args.dtype, device)
     job = JobConfig(model=cfg)

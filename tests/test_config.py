@@ -54,6 +54,10 @@ def test_booleans_and_optional_values():
         (["--verbose"], r"--verbose needs a value"),
         (["--data.packing=true", "--parallel.cp=2"], r"data.packing = true with parallel.cp = 2.*data.packing = false"),
         (["--data.packing=true", "--model.mtp_depth=1"], r"data.packing = true with model.mtp_depth = 1"),
+        (["--training.fp8=tensorwise", "--data.seq_len=48", "--parallel.cp=2"],
+         r"data.seq_len \(48\) must be a multiple of 16 x parallel.cp \(2\) = 32"),
+        (["--parallel.ep_num_worst_tokens=64"], r"parallel.ep_num_worst_tokens = 64; use 0 .* or -1"),
+        (["--parallel.ep_overlap=maybe"], r"parallel.ep_overlap expects bool or NoneType, got 'maybe'"),
     ],
 )
 def test_bad_settings_name_the_key_the_value_and_a_fix(args, message):
@@ -108,3 +112,17 @@ def test_an_override_that_changes_a_run_directory_model_is_refused(tmp_path, cap
         load_run_config(tmp_path, parse_overrides(args))
     assert cli_main(["train", "--run-dir", str(tmp_path), *args, "--print-config"]) == 2
     assert "changes the model of the run" in capsys.readouterr().err
+    # --fresh ignores the checkpoints, so it may start the directory over with another model
+    assert cli_main(["train", "--run-dir", str(tmp_path), *args, "--fresh", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    leaf, value = args[0][2:].rsplit(".", 1)[1].split("=")
+    assert f"\n{leaf} = {value}\n" in printed or f'\n{leaf} = "{value}"\n' in printed
+
+
+def test_wandb_without_the_package_is_refused_before_any_process(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"metrics.wandb = true needs the wandb package: pip install"):
+        load_config(None, parse_overrides(["--metrics.wandb=true"]))

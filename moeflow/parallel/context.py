@@ -153,7 +153,7 @@ def _attention_class(cls: type, group) -> type:
     def core(self, q, k, v, mask=None, scale=None):
         if mask is not None:
             raise ValueError("context parallelism computes plain causal attention only: packed documents "
-                             "(data.pack) and KV caches need parallel.cp = 1")
+                             "(data.packing) and KV caches need parallel.cp = 1")
         return context_parallel_attention(q, k, v, group, scale)
 
     return type(f"ContextParallel{cls.__name__}", (cls,), {"core": core})

@@ -101,15 +101,17 @@ def _prepare_on_rank0(cfg: JobConfig, is_main: bool) -> tuple[Path, str]:
     its error (so a bad record stops every rank with the same line instead of leaving them in a barrier)."""
     from moeflow.train.distributed import broadcast_object
 
-    folder, error = None, None
+    folder, error, failure = None, None, None
     if is_main:
         try:
             folder = str(prepare(cfg))
-        except ValueError as e:
-            error = str(e)
+        except Exception as e:  # every error, or the other ranks would wait in the broadcast until the timeout
+            failure, error = e, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
     folder, error = broadcast_object((folder, error))
+    if failure is not None:
+        raise failure
     if error is not None:
-        raise ValueError(error)
+        raise ValueError(f"rank 0 could not prepare the data: {error}")
     return Path(folder), make_encoder(cfg).fingerprint
 
 

@@ -25,11 +25,6 @@ from moeflow.parallel.fp8 import high_precision
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
-def _local_optimizer(optimizer):
-    """The optimizer that holds this rank's state (an optimizer wrapper that keeps a partition in .optim)."""
-    return getattr(optimizer, "optim", optimizer)
-
-
 def expert_slices(parts: list[nn.Module]) -> dict[str, tuple[int, int]]:
     """{fqn of an expert weight: (first global expert id held here, experts held here)}."""
     from moeflow.models.moe import GroupedExperts
@@ -62,11 +57,10 @@ def _expert_ids(experts: dict, fqn: str, like: torch.Tensor) -> range | None:
     return None
 
 
-def _optimizer_params(parts: list[nn.Module], optimizer):
-    """(the optimizer holding this rank's state, [(parameter, fqn)]) in the optimizer's order."""
+def _optimizer_params(parts: list[nn.Module], optimizer) -> list:
+    """[(parameter, fqn)] in the optimizer's order."""
     names = _param_names(parts)
-    local = _local_optimizer(optimizer)
-    return local, [(p, names[id(p)]) for group in local.param_groups for p in group["params"]]
+    return [(p, names[id(p)]) for group in optimizer.param_groups for p in group["params"]]
 
 
 def gather(parts: list[nn.Module], optimizer) -> dict[str, torch.Tensor]:
@@ -87,9 +81,8 @@ def gather(parts: list[nn.Module], optimizer) -> dict[str, torch.Tensor]:
     for part in parts:
         for fqn, value in part.state_dict().items():
             put(f"model.{fqn}", fqn, value)
-    local, params = _optimizer_params(parts, optimizer)
-    for p, fqn in params:
-        for k, v in local.state.get(p, {}).items():
+    for p, fqn in _optimizer_params(parts, optimizer):
+        for k, v in optimizer.state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
                 put(f"optim.state.{fqn}.{k}", fqn, v)
     return flat
@@ -115,7 +108,7 @@ def placeholders(parts: list[nn.Module], optimizer, saved_keys: set[str]) -> dic
     for part in parts:
         for fqn, value in part.state_dict().items():
             want(f"model.{fqn}", fqn, value)
-    _, params = _optimizer_params(parts, optimizer)
+    params = _optimizer_params(parts, optimizer)
     for p, fqn in params:
         prefix = f"optim.state.{fqn}."
         for state_key in _state_keys(saved_keys, prefix):
@@ -151,10 +144,9 @@ def apply(parts: list[nn.Module], optimizer, flat: dict[str, torch.Tensor]) -> N
     for part in parts:
         sd = {fqn: take(f"model.{fqn}", fqn, v) for fqn, v in part.state_dict().items()}
         part.load_state_dict(sd)
-    local, params = _optimizer_params(parts, optimizer)
-    for p, fqn in params:
+    for p, fqn in _optimizer_params(parts, optimizer):
         prefix = f"optim.state.{fqn}."
         state_keys = _state_keys(flat, prefix)
         if state_keys:
-            local.state[p] = {k: (flat[prefix + k] if k == "step" else take(prefix + k, fqn, p.data))
+            optimizer.state[p] = {k: (flat[prefix + k] if k == "step" else take(prefix + k, fqn, p.data))
                               for k in state_keys}

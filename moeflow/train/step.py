@@ -34,11 +34,10 @@ def _local_bytes(tensors) -> int:
 
 def state_bytes(s: Setup, grad_bytes: int) -> dict[str, int]:
     """The largest rank's bytes of parameters, gradients (as measured after the last backward) and
-    optimizer state (AdamW moments; ZeRO-1 keeps only its partition's)."""
-    local_opt = getattr(s.optimizer, "optim", s.optimizer)
+    optimizer state (AdamW moments, of this rank's shards)."""
     sizes = torch.tensor([
         _local_bytes(s.model.parameters()), grad_bytes,
-        _local_bytes(v for st in local_opt.state.values() for v in st.values()
+        _local_bytes(v for st in s.optimizer.state.values() for v in st.values()
                      if isinstance(v, torch.Tensor) and v.dim() > 0),
     ], dtype=torch.float64, device=s.info.device)
     if dist.is_initialized():
@@ -71,14 +70,16 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     grad_norm = clip_grad_norm_(model, clip, par)
     # One all-reduce for everything logged; its .tolist() is the step's one host sync, needed anyway
     # for the non-finite check (every rank must take the same decision) and the progress bar.
+    # (the gradient norm rides along last: every rank holds the same global norm, so the sum is world_size of it)
     packed = all_reduce_sum(torch.cat([loss.view(1), dropped, loads.flatten(),
-                                       *(v.float().view(1).to(loss.device) for v in extra.values())]))
+                                       *(v.float().view(1).to(loss.device) for v in extra.values()),
+                                       grad_norm.detach().float().view(1).to(loss.device)]))
     # Every rank holds the loss, and with the MoE replicated over tp every tp rank routes all of its dp rank's
     # tokens: divide the copies out.
     tp = par.dims.moe_token_copies
     numbers = packed.tolist()
     loss_value = numbers[0] / s.info.world_size
-    gn = float(grad_norm)
+    gn = numbers.pop() / s.info.world_size
     finite = math.isfinite(loss_value) and math.isfinite(gn)
     step = s.scheduler.last_epoch + 1
     if not finite and cfg.training.on_nonfinite == "stop":
@@ -99,8 +100,9 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
         routers = router_layers([model])
         for layer, r in routers.items():
             r.update_bias(global_loads[row_of[layer]])
-        if with_moe_stats:
-            out["moe"] = _moe_stats(cfg, routers, layers, global_loads,
+        if with_moe_stats:  # from the host copy of the loads (no device read)
+            host_loads = torch.tensor(numbers[1 + len(dropped):1 + len(dropped) + len(layers) * E], device="cpu") / tp
+            out["moe"] = _moe_stats(cfg, routers, layers, host_loads.view(len(layers), E),
                                     [d / tp for d in numbers[1:1 + len(layers)]])
     return out
 

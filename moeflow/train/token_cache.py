@@ -87,6 +87,9 @@ class ChatEncoder:
                 out.append(encode_chat(self.tokenizer, messages))
             except RecordError as e:
                 raise _at(first + i, e) from None
+            except Exception as e:  # the template's own refusals (jinja2's raise_exception) and rendering errors
+                raise _at(first + i, RecordError(f"the chat template failed on it ({type(e).__name__}: {e}); fix "
+                                                 f"the record, or the template")) from None
         return out
 
 

@@ -8,6 +8,7 @@ its contiguous share, splits it into micro-batches, and the parallel layout aver
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -37,7 +38,9 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
     if info.is_main:
         _truncate_metrics(run_dir / "metrics.jsonl", start)  # lines the resumed (or fresh) run will log again
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(cfg))
+        # atomically: a resumed run continues with this file's settings, so a torn write must not be read
+        (run_dir / "config.toml.tmp").write_text(to_toml(cfg))
+        os.replace(run_dir / "config.toml.tmp", run_dir / "config.toml")
     t_start = time.perf_counter()
     guard = StepGuard(cfg, info)  # stop signals, the step watchdog, stragglers (moeflow/train/faults.py)
     try:
