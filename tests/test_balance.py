@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import moeflow.models.moe as moe_module
 from moeflow.models.config import ModelConfig, MoEConfig
 from moeflow.models.moe import MoE, Router, pad_groups
 from moeflow.models.transformer import Transformer
@@ -223,7 +224,7 @@ def test_pad_to_capacity_equals_unpadded(policy):
     assert rows_pad == [4 * math.ceil(0.75 * 18 * 2 / 4)] and rows[0] < rows_pad[0]
 
 
-def test_expert_groups_padded_to_kernel_alignment():
+def test_expert_groups_padded_to_kernel_alignment(monkeypatch):
     counts = torch.tensor([3, 0, 17, 1])
     x = torch.randn(21, 5)
     padded, counts_pad, rows = pad_groups(x, counts, 16)
@@ -240,7 +241,11 @@ def test_expert_groups_padded_to_kernel_alignment():
     y, grads, _ = _run(m, torch.randn(10, SMALL["dim"], generator=torch.Generator().manual_seed(6)))
     aligned = _moe()
     aligned.experts.group_alignment = 16
-    y16, grads16, rows16 = _run(aligned, torch.randn(10, SMALL["dim"], generator=torch.Generator().manual_seed(6)))
+    seen = []  # the groups the expert matmuls receive: padded, whatever the routing gave
+    real = moe_module.expert_matmuls
+    monkeypatch.setattr(moe_module, "expert_matmuls", lambda x, c, *a: seen.append(c.tolist()) or real(x, c, *a))
+    y16, grads16, _ = _run(aligned, torch.randn(10, SMALL["dim"], generator=torch.Generator().manual_seed(6)))
+    assert seen and all(c % 16 == 0 for counts in seen for c in counts)
     torch.testing.assert_close(y16, y, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grads16[name], grad, rtol=1e-5, atol=1e-6)
