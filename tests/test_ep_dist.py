@@ -92,6 +92,9 @@ def cases_for(R: int, layouts: list[tuple[str, int]], n_drawn: int, moe: bool, t
             backend, G = layouts[0]
             cases.append((f"overlap {backend}/G{G} chunks={chunks}", "overlap",
                           dict(backend=backend, G=G, chunks=chunks, E=2 * R if R > 4 else 8)))
+        # more chunks than tokens: some chunks are empty on every rank (dispatch and combine of nothing)
+        cases.append(("overlap empty chunks", "overlap", dict(backend=layouts[0][0], G=layouts[0][1], chunks=4, T=3,
+                                                              E=2 * R if R > 4 else 8)))
         cases.append(("host_syncs", "host_syncs", dict(G=layouts[0][1], E=2 * R if R > 4 else 8)))
     if timeout:
         cases.append(("timeout", "timeout", {}))  # last: it leaves an unmatched collective behind

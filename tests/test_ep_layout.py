@@ -89,6 +89,9 @@ def test_row_bytes():
 def test_check_topk_idx_messages():
     with pytest.raises(ValueError, match=r"expert id 9, outside \[-1, num_experts=8\)"):
         L.check_topk_idx(torch.tensor([[9]]), 8)
+    with pytest.raises(ValueError, match=r"expert id -2, outside \[-1, num_experts=8\)"):
+        L.check_topk_idx(torch.tensor([[3, -2], [-1, 7]]), 8)
+    L.check_topk_idx(torch.tensor([[3, -1], [-1, 7]]), 8)  # -1 and the last id are fine
     with pytest.raises(ValueError, match="int64"):
         L.check_topk_idx(torch.tensor([[1]], dtype=torch.int32), 8)
     with pytest.raises(ValueError, match="2-D"):

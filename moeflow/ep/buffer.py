@@ -350,8 +350,9 @@ class Buffer:
                     "num_experts=...; pass one of them"
                 )
             self.check_num_experts(num_experts)
-            # The static path trusts the ids (reading them back would be the host sync it exists to avoid).
-            L_.check_topk_idx(topk_idx, num_experts, check_values=not static)
+            # The static path trusts the ids (reading them back would be the host sync it exists to avoid), and so
+            # does a call given get_dispatch_layout's tensors: that call read these ids already.
+            L_.check_topk_idx(topk_idx, num_experts, check_values=not static and is_token_in_rank is None)
             if topk_idx.shape[0] != T:
                 raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {T}; they must match")
             _check_weights(topk_weights, T, topk_idx.shape[1], "topk_weights")
@@ -495,9 +496,7 @@ class Buffer:
         dev = mask_TR.device
         vec = [torch.tensor([T], device=dev), mask_TR.sum(0), L_.node_mask(mask_TR, self.ranks_per_node).sum(0)]
         if topk_idx is not None:
-            # -1 entries count in a last bin that is dropped (no boolean indexing: no sync on GPUs)
-            key = torch.where(topk_idx >= 0, topk_idx, num_experts).reshape(-1)
-            vec.append(torch.bincount(key, minlength=num_experts + 1)[:num_experts])
+            vec.append(L_.tokens_per_expert(topk_idx, num_experts))
         vec_C = torch.cat([v.to(torch.int64) for v in vec])
         # host sync: the count exchange; split sizes of the all-to-all must be python ints
         rows = self.topo.main.all_gather(vec_C, "Buffer.dispatch (count exchange)").tolist()

@@ -36,8 +36,8 @@ def check_topk_idx(topk_idx_TK: torch.Tensor, num_experts: int, setting: str = "
             f"{setting} must be 2-D [T, K] (got shape {tuple(topk_idx_TK.shape)}); reshape to [-1, top_k]"
         )
     if check_values and topk_idx_TK.numel():
-        # host sync: reading the values is the only way to reject bad ids before a collective can hang
-        lo, hi = int(topk_idx_TK.min()), int(topk_idx_TK.max())
+        # host sync (one): reading the values is the only way to reject bad ids before a collective can hang
+        lo, hi = torch.stack(torch.aminmax(topk_idx_TK)).tolist()
         if lo < -1 or hi >= num_experts:
             bad = lo if lo < -1 else hi
             raise ValueError(
@@ -78,12 +78,18 @@ def get_dispatch_layout(
     per_node_M = None
     if num_ranks // G > 1:
         per_node_M = node_mask(mask_TR, G).sum(0, dtype=torch.int32)
-    # -1 entries land in a last bin that is dropped; a scatter-add keeps the size static (bincount's output
-    # size depends on the largest id: a host sync on a GPU).
-    key = torch.where(topk_idx_TK >= 0, topk_idx_TK, num_experts).reshape(-1)
-    per_expert_E = torch.zeros(num_experts + 1, dtype=torch.int32, device=key.device).scatter_add_(
-        0, key, torch.ones_like(key, dtype=torch.int32))[:num_experts]
+    per_expert_E = tokens_per_expert(topk_idx_TK, num_experts, torch.int32)
     return DispatchLayout(per_rank_R, per_node_M, per_expert_E, mask_TR)
+
+
+def tokens_per_expert(topk_idx_TK: torch.Tensor, num_experts: int, dtype=torch.int64,
+                      keep_dropped: bool = False) -> torch.Tensor:
+    """[E] valid entries per expert ([E + 1] with keep_dropped: the -1 entries in the last bin). A scatter-add:
+    bincount's output size depends on the largest id, which a GPU reads back to the host."""
+    key = torch.where(topk_idx_TK >= 0, topk_idx_TK, num_experts).reshape(-1)
+    counts = torch.zeros(num_experts + 1, dtype=dtype, device=key.device).scatter_add_(
+        0, key, torch.ones_like(key, dtype=dtype))
+    return counts if keep_dropped else counts[:num_experts]
 
 
 # ---- byte accounting ---------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def ll_dispatch(buffer, x_TD, topk_idx_TK, Tm: int, E: int, use_fp8: bool):
     flat = topk_idx_TK.reshape(-1)
     key = torch.where(flat >= 0, flat, torch.full_like(flat, E))
     order = torch.argsort(key, stable=True)
-    count_E1 = torch.bincount(key, minlength=E + 1)
+    count_E1 = L_.tokens_per_expert(topk_idx_TK, E, keep_dropped=True)
     start_E1 = torch.cumsum(count_E1, 0) - count_E1
     pos = torch.empty_like(flat)
     pos[order] = torch.arange(flat.numel(), device=dev) - start_E1[key[order]]
