@@ -556,3 +556,8 @@ def test_cli_schedule_column_and_flags(capsys):
     rc, out, _ = run_cli(capsys, "--model", "deepseek-v3", "--gpu", "H800", "--nodes", "32", "--seq-len", "4096",
                          "--global-batch-tokens", str(4096 * 1024), "--ep-overlap", "--json")
     assert rc == 0 and json.loads(out)["hardware"]["ep_overlap"] is True
+
+
+def test_cli_unwritable_png_is_an_error_not_a_traceback(capsys):
+    rc, _, err = run_cli(capsys, "--model", "tiny-moe", "--gpu", "H100-80GB", "--png", "/proc/no/such/plan.png")
+    assert rc == 2 and "--png /proc/no/such/plan.png" in err and "pass a writable file path" in err

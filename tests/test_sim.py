@@ -165,6 +165,11 @@ def test_cli_table_and_png(capsys, tmp_path):
     (["--model", "deepseek-v3", "--nodes", "4", "--ep-sizes", "24"], "must divide"),
     (["--model", "deepseek-v3", "--nodes", "1", "--ep-sizes", "16"], "> the 8 GPUs"),
     (["--model", "deepseek-v3", "--nodes", "1", "--gpu", "H1000"], "H100"),
+    (["--model", "deepseek-v3", "--nodes", "1", "--efficiency", "2"], "--efficiency (2.0) must be in (0, 1]"),
+    (["--model", "deepseek-v3", "--nodes", "1", "--seq-len", "0"], "--seq-len must be positive, got 0"),
+    (["--model", "deepseek-v3", "--nodes", "1", "--nvlink-gbps", "0"], "--nvlink-gbps must be a positive number"),
+    (["--model", "deepseek-v3", "--nodes", "1", "--ep-sizes", "8,a"], "--ep-sizes '8,a': give comma-separated"),
+    (["--model", "deepseek-v3", "--nodes", "1", "--ep-sizes", "8", "--png", "/proc/no/x.png"], "--png /proc/no/x"),
 ])
 def test_cli_bad_input(capsys, argv, msg):
     assert sim_main(["ep", *argv]) == 2

@@ -229,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(out, indent=1) if args.json else format_table(out))
     if args.png:
-        write_png(out, args.png)
+        try:
+            write_png(out, args.png)
+        except OSError as e:
+            print(f"moeflow plan: error: --png {args.png}: {e.strerror or e}; pass a writable file path",
+                  file=sys.stderr)
+            return 2
         if not args.json:
             print(f"wrote {args.png}")
     return 0

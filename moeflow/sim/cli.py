@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from moeflow.hardware import GPUS, get_gpu
@@ -74,9 +75,19 @@ def simulate(args) -> dict:
     world = args.nodes * args.gpus_per_node
     if args.nodes < 1 or args.gpus_per_node < 1 or args.tokens_per_gpu < 1:
         raise ValueError("--nodes, --gpus-per-node and --tokens-per-gpu must be positive")
+    if args.seq_len < 1:
+        raise ValueError(f"--seq-len must be positive, got {args.seq_len}")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise ValueError(f"--efficiency ({args.efficiency}) must be in (0, 1]; e.g. 0.5")
+    for flag, value in (("--nvlink-gbps", args.nvlink_gbps), ("--ib-gbps", args.ib_gbps)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a positive number of GB/s, got {value}; leave it out for the GPU's own")
     E, K = cfg.moe.num_experts, cfg.moe.top_k
-    sizes = ([int(x) for x in args.ep_sizes.split(",")] if args.ep_sizes
-             else default_ep_sizes(E, world, args.gpus_per_node))
+    try:
+        sizes = ([int(x) for x in args.ep_sizes.split(",")] if args.ep_sizes
+                 else default_ep_sizes(E, world, args.gpus_per_node))
+    except ValueError:
+        raise ValueError(f"--ep-sizes {args.ep_sizes!r}: give comma-separated integers, e.g. 8,64") from None
     for ep in sizes:
         if ep > world:
             raise ValueError(
@@ -87,7 +98,8 @@ def simulate(args) -> dict:
     for strat in strategies:
         if strat not in STRATEGY_DOC:
             raise ValueError(f"--strategies has {strat!r}; choose from {','.join(STRATEGY_DOC)}")
-    links = Links(args.nvlink_gbps or gpu.intra_gbps, args.ib_gbps or gpu.inter_gbps)
+    links = Links(gpu.intra_gbps if args.nvlink_gbps is None else args.nvlink_gbps,
+                  gpu.inter_gbps if args.ib_gbps is None else args.ib_gbps)
     d_row, c_row = row_bytes(cfg.dim, K, args.dispatch_dtype)
     eff = args.efficiency or gpu.efficiency
     compute_s = cfg.flops_per_token(args.seq_len) * args.tokens_per_gpu / (gpu.peak_flops("bf16") * eff)
@@ -167,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(out, indent=1) if args.json else format_table(out))
     if args.png:
-        write_png(out, args.png)
+        try:
+            write_png(out, args.png)
+        except OSError as e:
+            print(f"moeflow simulate: error: --png {args.png}: {e.strerror or e}; pass a writable file path",
+                  file=sys.stderr)
+            return 2
     return 0
 
 
