@@ -56,10 +56,17 @@ def load_model(run_dir: str | None = None, hf_path: str | None = None, dtype: st
 
 
 def tokenizer_folder(job, run: Path, origin: Path) -> Path | None:
-    """Where the run's tokenizer files are: data.tokenizer's folder, the Hugging Face folder it started from, or
-    the run directory itself (moeflow convert hf-to-moeflow copies them there)."""
+    """Where the run's tokenizer files are: data.tokenizer's folder (for 'auto', the tokenizer.json beside the
+    training data, as training found it), the Hugging Face folder it started from, or the run directory itself
+    (moeflow convert hf-to-moeflow copies them there)."""
+    from moeflow.train.tokenizer import tokenizer_json_near
+
     spec = job.data.tokenizer
-    candidates = [] if spec in ("auto", "byte") else [Path(spec).parent if Path(spec).is_file() else Path(spec)]
+    if spec == "auto":
+        near = tokenizer_json_near(job.data.source)
+        candidates = [Path(near).parent] if near else []
+    else:
+        candidates = [] if spec == "byte" else [Path(spec).parent if Path(spec).is_file() else Path(spec)]
     candidates += [origin, run]
     for folder in candidates:
         if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():

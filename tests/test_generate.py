@@ -125,3 +125,22 @@ def test_cli_generate_and_eval(saved, tmp_path, capsys):
         want = F.cross_entropy(hf(windows[:, :-1]).logits.flatten(0, 1), windows[:, 1:].flatten())
     assert result["loss"] == pytest.approx(float(want), rel=1e-5)
     assert result["trained_tokens"] == windows[:, 1:].numel() and result["tokens_per_s"] > 0
+
+
+def test_tokenizer_folder_finds_what_training_found_beside_the_data(tmp_path):
+    """data.tokenizer = 'auto' trains with the tokenizer.json beside data.source; generate and eval must use it
+    too (not fall back to bytes), and the explicit setting wins over the model's folders."""
+    from moeflow.config import JobConfig
+    from moeflow.generate import tokenizer_folder
+
+    data, run, origin = tmp_path / "data", tmp_path / "run", tmp_path / "origin"
+    for d in (data, run, origin):
+        d.mkdir()
+    (data / "tokenizer.json").write_text("{}")
+    job = JobConfig()
+    job.data.source, job.data.tokenizer = str(data / "train.jsonl"), "auto"
+    assert tokenizer_folder(job, run, origin) == data
+    job.data.tokenizer = "byte"  # nothing to look for beside the data: the model's folders, else none
+    assert tokenizer_folder(job, run, origin) is None
+    (run / "tokenizer.json").write_text("{}")
+    assert tokenizer_folder(job, run, origin) == run

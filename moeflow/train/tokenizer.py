@@ -70,7 +70,7 @@ class HFTokenizer:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
-def _tokenizer_json_near(data_path: str | None) -> str | None:
+def tokenizer_json_near(data_path: str | None) -> str | None:
     """The `tokenizer.json` in the data folder (or next to the data file), if there is one."""
     if not data_path or data_path == "stdlib":
         return None
@@ -88,7 +88,7 @@ def load_tokenizer(spec: str, data_path: str | None = None) -> ByteTokenizer | H
     if spec == "byte":
         return ByteTokenizer()
     if spec == "auto":
-        found = _tokenizer_json_near(data_path)
+        found = tokenizer_json_near(data_path)
         return HFTokenizer(found) if found else ByteTokenizer()
     path = spec
     if os.path.isdir(path):
