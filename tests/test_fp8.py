@@ -49,31 +49,38 @@ def test_tensorwise_converts_the_dense_linears_that_fit_the_kernels():
 
 
 def _train(model: Transformer, fp8: str, steps: int) -> list[float]:
+    """Losses of `steps` AdamW steps on one learnable batch: each row a random walk of +1 / +2 steps mod 64, so
+    the next token depends on the context and the loss falls far (uniform random tokens keep every loss near
+    ln 64, however broken the layers, and a loss tolerance then tests nothing)."""
     runner = parallelize(model, fp8=fp8).runner
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    tokens = torch.randint(0, 64, (steps, 4, 33), generator=torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(7)
+    start, hops = torch.randint(0, 64, (4, 1), generator=g), torch.randint(1, 3, (4, 32), generator=g)
+    rows = torch.cat([start, (start + hops.cumsum(1)) % 64], 1)
     losses = []
-    for batch in tokens:
+    for _ in range(steps):
         model.train()
-        losses.append(runner.train_step(batch[:, :-1], batch[:, 1:]).item())
+        losses.append(runner.train_step(rows[:, :-1], rows[:, 1:]).item())
         optimizer.step()
         optimizer.zero_grad()
     return losses
 
 
-# Per-step relative tolerance against the same run in fp32: a colleague's 50-step runs of these recipes stayed
-# within 1.2% of bf16 (torchao 0.18 on this machine); 3% leaves room, a missing scale or a wrong layout does not.
+# Every step's loss within 3% of how far the fp32 run's loss falls (8 steps: about 1.65 nats). Measured here
+# (torchao 0.18): FP8 stays within 0.003 nats of fp32; zeroing every block's attention and FFN output (the
+# model then learns through the embedding and head only) strays 0.23-0.26, which the test must and does catch.
 TOLERANCE = 0.03
 
 
 @pytest.mark.parametrize("cfg, fp8", [(MOE, "mxfp8"), (DENSE, "tensorwise"), (DENSE, "rowwise")])
 def test_emulated_fp8_training_tracks_high_precision(cfg, fp8):
-    reference = _train(_model(cfg), "none", steps=6)
-    emulated = _train(_model(cfg), fp8, steps=6)
-    rel = [abs(a - b) / b for a, b in zip(emulated, reference)]
-    assert max(rel) < TOLERANCE, rel
-    assert max(rel) > 1e-6, "FP8 gave fp32's losses exactly: nothing was quantised"
-    assert reference[-1] < reference[0] and emulated[-1] < emulated[0]
+    reference = _train(_model(cfg), "none", steps=8)
+    emulated = _train(_model(cfg), fp8, steps=8)
+    fall = reference[0] - reference[-1]
+    assert fall > 1.0, reference  # the batch is learnable, so a difference in learning shows
+    diff = [abs(a - b) for a, b in zip(emulated, reference)]
+    assert max(diff) < TOLERANCE * fall, (diff, fall)
+    assert max(diff) > 1e-6, "FP8 gave fp32's losses exactly: nothing was quantised"
 
 
 def test_refusals():
