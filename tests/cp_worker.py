@@ -47,16 +47,15 @@ def positions(S: int, rank: int, cp: int) -> list[int]:
 
 
 def _close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float = ATOL) -> None:
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     err = (got.detach().float() - want.detach().float()).abs().max().item()
     assert err <= atol, f"{name}: max abs error {err:.3g} > {atol:g}"
 
 
 def _rel(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor
+    from tests.tp_worker import assert_rel
 
-    got = got.full_tensor() if isinstance(got, DTensor) else got
-    err = ((got.detach().float() - want.detach().float()).norm() / want.detach().float().norm().clamp_min(1e-12))
-    assert err <= REL, f"{name}: relative error {err:.3g} > {REL:g}"
+    assert_rel(name, got, want, REL)  # (gathers a DTensor, checks the shape first)
 
 
 # ---- the attention function -------------------------------------------------------------------------------
