@@ -252,6 +252,11 @@ def test_bad_input_is_one_line_naming_the_record(tmp_path, tok_dir):
     msg = _error(_cfg(tmp_path, path, *chat, tok=no_template), tmp_path)
     assert "has no chat template" in msg and "data.chat_template" in msg
 
+    # a template's own refusal (jinja2's raise_exception, as real templates do) names the record, not a traceback
+    strict = make_chat_tokenizer(tmp_path / "strict_tok", template="{{ raise_exception('roles must alternate') }}")
+    msg = _error(_cfg(tmp_path, path, *chat, tok=strict), tmp_path)
+    assert f"{path} line 1" in msg and "the chat template failed on it" in msg and "roles must alternate" in msg
+
     long = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "the cat " * 80}]}
     path.write_text("\n".join(good[:4] + [json.dumps(long)] + good[4:]) + "\n")
     longer = ("--data.seq_len=200", *chat)  # the other conversations have fewer than 201 tokens
@@ -296,3 +301,13 @@ def test_cli_prepare_data_reports_one_line(tmp_path, tok_dir, capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         f"moeflow train: error: data.source = '{path}': {path} line 2 is not valid JSON "
         "(Expecting property name enclosed in double quotes at column 2); fix or remove that line"]
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
+    from moeflow.train.data_setup import make_encoder
+
+    cfg = load_config(None, parse_overrides(["--data.tokenizer=byte", "--model.vocab_size=100",
+                                             f"--run-dir={tmp_path}"]))
+    with pytest.raises(ValueError, match=r"the tokenizer has 256 tokens but model.vocab_size is 100; set "
+                                         r"--model.vocab_size=256 or more"):
+        make_encoder(cfg)

@@ -76,10 +76,14 @@ def make_encoder(cfg: JobConfig):
         from moeflow.train.chat import load_chat_tokenizer
 
         encoder = ChatEncoder(load_chat_tokenizer(_chat_folder(cfg), d.chat_template), d.format)
-    if encoder.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer has {encoder.vocab_size} tokens but model.vocab_size is "
-                         f"{cfg.model.vocab_size}; set --model.vocab_size={encoder.vocab_size} or more")
+    _check_vocab(encoder.vocab_size, cfg)
     return encoder
+
+
+def _check_vocab(tokens: int, cfg: JobConfig) -> None:
+    if tokens > cfg.model.vocab_size:
+        raise ValueError(f"the tokenizer has {tokens} tokens but model.vocab_size is {cfg.model.vocab_size}; set "
+                         f"--model.vocab_size={tokens} or more")
 
 
 def cache_root(cfg: JobConfig) -> Path:
@@ -153,10 +157,6 @@ def _stream_tokens(cfg: JobConfig) -> np.ndarray:
     tokenizer = None
     if not pretokenized:
         tokenizer = load_tokenizer(_tokenizer_spec(cfg), None if d.source == "stdlib" else d.source)
-        if tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ValueError(
-                f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
-                f"set --model.vocab_size={tokenizer.vocab_size} or more"
-            )
+        _check_vocab(tokenizer.vocab_size, cfg)
     return load_tokens(d.source, tokenizer, token_dtype=d.token_dtype, vocab_size=cfg.model.vocab_size,
                        max_bytes=d.max_bytes)
