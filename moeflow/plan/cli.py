@@ -229,11 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(out, indent=1) if args.json else format_table(out))
     if args.png:
-        try:
-            write_png(out, args.png)
-        except OSError as e:
-            print(f"moeflow plan: error: --png {args.png}: {e.strerror or e}; pass a writable file path",
-                  file=sys.stderr)
+        from moeflow.figures import write_png_option
+
+        if not write_png_option(write_png, out, args.png, "moeflow plan"):
             return 2
         if not args.json:
             print(f"wrote {args.png}")
