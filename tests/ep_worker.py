@@ -394,6 +394,12 @@ def case_bad_inputs(ctx, G):
     if R > 1:
         _expect(lambda: buf.dispatch(x, topk_idx=idx, num_experts=E + 1), "num_experts", str(E + 1), str(R))
     _expect(lambda: buf.dispatch(x, topk_idx=idx), "num_tokens_per_expert")
+    # get_dispatch_layout's counts are sent as given (no recount), so a wrong shape is refused first
+    wrong_R1 = torch.zeros(R + 1, dtype=torch.int32)
+    _expect(lambda: buf.dispatch(x, topk_idx=idx, num_experts=E, num_tokens_per_rank=wrong_R1),
+            "num_tokens_per_rank", f"({R},)")
+    _expect(lambda: buf.dispatch(x, topk_idx=idx, num_tokens_per_expert=torch.zeros(E, dtype=torch.float32)),
+            "num_tokens_per_expert", "integer")
     q = per_token_cast_to_fp8(torch.randn(3, 128))
     _expect(lambda: buf.dispatch((q[0][:, :100], q[1]), topk_idx=idx, num_experts=E), "128", "100")
     _expect(lambda: per_token_cast_to_fp8(torch.randn(3, 100)), "128")

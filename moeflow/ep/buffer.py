@@ -141,6 +141,24 @@ def _split_x(x):
     return x, None
 
 
+def _given_counts(per_rank, per_node, per_expert, num_ranks: int, num_nodes: int,
+                  num_experts: int | None) -> dict:
+    """The layout counts a caller passed (get_dispatch_layout's), checked for shape only (their values are on the
+    device): {"rank": [R], "node": [M], "expert": [E]}, the missing ones left out."""
+    given = {}
+    for key, name, t, n in (("rank", "num_tokens_per_rank", per_rank, num_ranks),
+                            ("node", "num_tokens_per_rdma_rank", per_node, num_nodes),
+                            ("expert", "num_tokens_per_expert", per_expert, num_experts)):
+        if t is None or n is None:
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,) or t.dtype.is_floating_point:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be an integer tensor of shape ({n},), got {got}; "
+                             "take it from get_dispatch_layout")
+        given[key] = t
+    return given
+
+
 def _check_weights(w, T: int, K: int, setting: str) -> None:
     if w is None:
         return
@@ -382,7 +400,9 @@ class Buffer:
                                       and topk_weights.requires_grad) and torch.is_grad_enabled():
             raise ValueError("fp8 dispatch is not differentiable; dispatch bf16/fp32 x for training")
 
-        args = (topk_idx, is_token_in_rank, num_experts, expert_alignment, num_worst_tokens, async_finish)
+        given = _given_counts(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+                              self.group_size, self.num_nodes, num_experts if topk_idx is not None else None)
+        args = (topk_idx, is_token_in_rank, num_experts, expert_alignment, num_worst_tokens, async_finish, given)
         if scales_TS is not None:
             (recv_x, recv_s, recv_w), extras, flight = self._start_new([x_TD, scales_TS], topk_weights, *args)
             recv_x = (recv_x, recv_s)
@@ -415,7 +435,7 @@ class Buffer:
 
     # ---- the internals: start a communication, fill preallocated outputs when it arrives --------------
     def _start_new(self, xs: list[torch.Tensor], topk_weights, topk_idx, mask_TR, num_experts, expert_alignment,
-                   num_worst_tokens, async_op):
+                   num_worst_tokens, async_op, given: dict):
         """Route and start sending -> ([recv xs..., recv_topk_weights], (recv_topk_idx, counts list, handle),
         flight). The outputs are allocated here and filled when the flight finishes."""
         R = self.group_size
@@ -440,7 +460,7 @@ class Buffer:
                 wire.pack(payload), backend.plan_slots(mask_TR, W), _padding_row(specs, len(xs), K, xs[0].device),
                 lambda rows_nB: (idx_of(rows_nB) >= 0).any(1), W, "Buffer.dispatch", async_op=True)
         else:
-            counts = self._exchange_counts(T, mask_TR, topk_idx, num_experts)
+            counts = self._exchange_counts(T, mask_TR, topk_idx, num_experts, given)
             recv_per_rank = [sum(counts.to_rank(s, r) for s in range(R)) for r in range(R)]
             rows = recv_per_rank[self.rank]
             mask_from_rows = None
@@ -491,12 +511,17 @@ class Buffer:
         read it where the caller syncs anyway. None before any static dispatch."""
         return self._static.overflow
 
-    def _exchange_counts(self, T: int, mask_TR, topk_idx, num_experts) -> Counts:
-        """Every rank's tokens per destination rank, node and expert (one all_gather)."""
+    def _exchange_counts(self, T: int, mask_TR, topk_idx, num_experts, given: dict) -> Counts:
+        """Every rank's tokens per destination rank, node and expert (one all_gather). Counts the caller passed
+        (get_dispatch_layout's) are sent as they are; the others are counted here."""
         dev = mask_TR.device
-        vec = [torch.tensor([T], device=dev), mask_TR.sum(0), L_.node_mask(mask_TR, self.ranks_per_node).sum(0)]
+        per_rank = given.get("rank")
+        per_node = given.get("node")
+        vec = [torch.tensor([T], device=dev), mask_TR.sum(0) if per_rank is None else per_rank,
+               L_.node_mask(mask_TR, self.ranks_per_node).sum(0) if per_node is None else per_node]
         if topk_idx is not None:
-            vec.append(L_.tokens_per_expert(topk_idx, num_experts))
+            per_expert = given.get("expert")
+            vec.append(L_.tokens_per_expert(topk_idx, num_experts) if per_expert is None else per_expert)
         vec_C = torch.cat([v.to(torch.int64) for v in vec])
         # host sync: the count exchange; split sizes of the all-to-all must be python ints
         rows = self.topo.main.all_gather(vec_C, "Buffer.dispatch (count exchange)").tolist()
