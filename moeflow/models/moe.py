@@ -139,10 +139,7 @@ class Router(nn.Module):
             order = by_weight[torch.argsort(flat[by_weight], stable=True)]
         else:
             order = torch.argsort(flat, stable=True)  # (t, k) order is kept inside each expert
-        counts_E = count_keys(flat, E)
-        starts_E = torch.cumsum(counts_E, 0) - counts_E
-        pos_sorted = torch.arange(flat.numel(), device=flat.device) - starts_E[flat[order]]
-        pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
+        pos = position_in_group(flat, order, E)
         return torch.where(pos < capacity, flat, torch.full_like(flat, -1)).view(T, K)
 
     def forward(self, x_TD: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
@@ -237,6 +234,14 @@ def count_keys(key_N: torch.Tensor, num_bins: int) -> torch.Tensor:
         0, key_N, torch.ones_like(key_N))
 
 
+def position_in_group(key_N: torch.Tensor, order_N: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """[N] for each entry, how many entries with the same key come before it in `order_N` (a sort by key)."""
+    counts = count_keys(key_N, num_bins)
+    starts = torch.cumsum(counts, 0) - counts
+    pos_sorted = torch.arange(key_N.numel(), device=key_N.device) - starts[key_N[order_N]]
+    return torch.empty_like(pos_sorted).scatter_(0, order_N, pos_sorted)
+
+
 def expert_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[E] int64 valid entries per expert; -1 entries go to a last bin that is dropped (no boolean indexing,
     which would read the mask back to the host)."""
@@ -306,11 +311,7 @@ def sort_into_capacity(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weigh
     T, K = topk_idx_TK.shape
     flat = topk_idx_TK.reshape(-1)
     key = torch.where(flat < 0, torch.full_like(flat, E), flat)  # dropped pairs sort last, into key E
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
-    starts = torch.cumsum(counts, 0) - counts
-    pos_sorted = torch.arange(flat.numel(), device=flat.device) - starts[key[order]]
-    pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
+    pos = position_in_group(key, torch.argsort(key, stable=True), E + 1)
     # slot of each (t, k) pair; dropped pairs all go to one spare slot E * C that is cut off below
     slot = torch.where(key < E, key * C + pos, torch.full_like(key, E * C))
     token = torch.arange(T * K, device=flat.device) // K
