@@ -6,8 +6,12 @@ metrics.jsonl and a checkpoint to run_dir; the test compares both against a sing
 
 from __future__ import annotations
 
+import json
 import os
+from collections import Counter
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 
@@ -38,5 +42,32 @@ def _run_case(_, case) -> None:
 
     name, argv, run_dir, resume = case
     cfg = load_config(None, {**parse_overrides(argv), "run_dir": run_dir})
-    train(cfg, resume=resume, fresh=not resume, progress=False)
+    with _OutputDtypes(Path(run_dir) / f"output_dtypes.rank{dist.get_rank()}.json"):
+        train(cfg, resume=resume, fresh=not resume, progress=False)
     dist.barrier()
+
+
+class _OutputDtypes:
+    """Counts the output dtypes of every nn.Linear and GroupedExperts call during the case and writes
+    {"Linear": {"torch.bfloat16": n, ...}, "GroupedExperts": {...}} to `path`: what ran in which precision
+    (a loss comparison cannot tell: bf16 and fp32 losses of these short runs differ less than the layouts' own
+    summation-order noise)."""
+
+    def __init__(self, path: Path):
+        self.path, self.counts = path, {"Linear": Counter(), "GroupedExperts": Counter()}
+
+    def _hook(self, module, _inputs, output) -> None:
+        from moeflow.models.moe import GroupedExperts
+
+        kind = "Linear" if isinstance(module, torch.nn.Linear) else (
+            "GroupedExperts" if isinstance(module, GroupedExperts) else None)
+        if kind is not None and isinstance(output, torch.Tensor):
+            self.counts[kind][str(output.dtype)] += 1
+
+    def __enter__(self):
+        self.handle = torch.nn.modules.module.register_module_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+        self.path.write_text(json.dumps({k: dict(v) for k, v in self.counts.items()}))

@@ -178,6 +178,36 @@ def test_softmax_routing_hand_example():
     assert out.tokens_per_expert.tolist() == [0, 0, 1, 1]
 
 
+def test_router_scores_in_fp32_under_bf16_autocast():
+    """Routing stays fp32 under autocast (a bf16 gate matmul rounds the logits: ~3 significant digits)."""
+    moe = _make_moe(seed=3, dim=64, num_experts=16, top_k=4)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(4))
+    plain = moe.router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = moe.router(x)
+    assert under.topk_weights.dtype == torch.float32
+    assert torch.equal(under.topk_idx, plain.topk_idx)
+    assert torch.equal(under.topk_weights, plain.topk_weights)
+
+
+@pytest.mark.parametrize("pad_to_capacity", [False, True])
+def test_experts_run_in_the_autocast_dtype(pad_to_capacity):
+    """Under bf16 autocast the expert matmuls take bf16 (autocast does not cover torch._grouped_mm on a CPU); the
+    block's output keeps the input's dtype, and it is close to the fp32 block (bf16 rounding only)."""
+    kw = dict(capacity_factor=2.0, pad_to_capacity=True) if pad_to_capacity else {}
+    moe = _make_moe(seed=5, dim=64, num_experts=8, top_k=2, **kw)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(6))
+    seen = []
+    moe.experts.register_forward_hook(lambda _m, inputs, out: seen.append((inputs[0].dtype, out.dtype)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+    assert seen == [(torch.bfloat16, torch.bfloat16)]
+    assert y.dtype == torch.float32
+    y32 = moe(x)
+    rel = float((y - y32).norm().detach() / y32.norm().detach())
+    assert 0 < rel < 1e-2, rel  # bf16 keeps ~3 significant digits: the roundings show, and nothing else
+
+
 def test_aux_free_bias_update_moves_load_toward_balance():
     E = 8
     cfg = MoEConfig(num_experts=E, top_k=2, ffn_dim=8, load_balance="aux_free", bias_update_rate=0.02)

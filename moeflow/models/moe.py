@@ -146,7 +146,7 @@ class Router(nn.Module):
         """Route T tokens; `num_sequences` equal consecutive sequences make them up (for the sequence-wise loss)."""
         cfg = self.cfg
         # Routing in fp32 whatever the activations are: top-k ties and softmax saturate in bf16.
-        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        logits_TE = fp32_linear(x_TD, self.gate.weight)
         scores_TE = self.scores(logits_TE)
         with torch.no_grad():
             selected_TK = self.select(scores_TE)
@@ -225,6 +225,27 @@ class Router(nn.Module):
         """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
         if self.cfg.load_balance == "aux_free":
             self.expert_bias += self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in float32, also under autocast (which would run it in bf16 whatever the operands' dtype)."""
+    device_type = x.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return F.linear(x.float(), weight.float())
+    return F.linear(x.float(), weight.float())
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x in the dtype autocast runs matmuls in, or as it is outside autocast. The experts' input is cast here,
+    before dispatch: autocast does not cover torch._grouped_mm on every device (not on a CPU in torch 2.13, where
+    the experts ran in fp32 under bf16 autocast), and on a GPU an fp32 input would miss the bf16 grouped GEMM. It
+    also sends half the bytes under expert parallelism."""
+    device_type = x.device.type
+    if x.is_floating_point() and torch.amp.is_autocast_available(device_type) and \
+            torch.is_autocast_enabled(device_type):
+        return x.to(torch.get_autocast_dtype(device_type))
+    return x
 
 
 def count_keys(key_N: torch.Tensor, num_bins: int) -> torch.Tensor:
@@ -476,8 +497,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
         routed = self.router(x_TD, num_sequences=x.shape[0] if x.dim() == 3 else 1)
+        x_in_TD = autocast_input(x_TD)  # the experts' input (the output keeps x's dtype)
         if self.pad_to_capacity:  # static shapes: every expert computes exactly its capacity (one process only)
-            tokens = sort_into_capacity(x_TD, routed.topk_idx, routed.topk_weights, self.num_experts, routed.capacity)
+            tokens = sort_into_capacity(x_in_TD, routed.topk_idx, routed.topk_weights, self.num_experts,
+                                        routed.capacity)
             out_TD = weighted_sum_back(self.experts(tokens.x_ND, tokens.counts_E), tokens, x_TD)
             if self.shared_experts is not None:
                 out_TD = out_TD + self.shared_experts(x_TD)
@@ -487,7 +510,7 @@ class MoE(nn.Module):
         # communication in flight: chunk i+1's dispatch and chunk i-1's combine travel while chunk i's experts
         # compute, and the first dispatch while the shared experts compute.
         chunks = self.dispatcher.chunks(x_TD.shape[0])
-        send = lambda rows: self.dispatcher.dispatch(x_TD[rows], routed.topk_idx[rows], routed.topk_weights[rows])
+        send = lambda rows: self.dispatcher.dispatch(x_in_TD[rows], routed.topk_idx[rows], routed.topk_weights[rows])
         in_flight = send(chunks[0])
         shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None
         outs = []

@@ -69,8 +69,8 @@ class ExpertParallelDispatcher:
                                                                                           self.num_experts)
             layout = {"num_tokens_per_rank": per_rank, "num_tokens_per_rdma_rank": per_node,
                       "is_token_in_rank": in_rank, "num_tokens_per_expert": per_expert}
-        # Buffer takes float32 weights (DeepEP's format); under bf16 autocast the router's come out bf16, and they
-        # go back to that dtype on arrival (exactly) so the experts weight rows as the single-process MoE does.
+        # Buffer takes float32 weights (DeepEP's format); they go back to the router's dtype on arrival (exactly, for
+        # a router in another dtype) so the experts weight rows as the single-process MoE does.
         recv_x_ND, recv_idx_NK, recv_w_NK, _, handle, event = self.buffer.dispatch(
             x_TD, topk_idx=topk_idx_TK, topk_weights=topk_weights_TK.float(), num_worst_tokens=W,
             async_finish=self._async(x_TD.device), **layout)
