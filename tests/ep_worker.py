@@ -485,6 +485,40 @@ def case_moe(ctx, backend, G, shared=True, T=5, E=8, K=2, dim=16):
         torch.testing.assert_close(grad, dict(moe.named_parameters())[n].grad, **tol)
 
 
+def case_moe_autocast(ctx, backend, G, T=6, E=8, K=2, dim=16):
+    """Under bf16 autocast the EP MoE layer sends bf16 both ways (DeepEP's format: dim * 2 bytes a row), its
+    output keeps x's dtype, and it stays within bf16 rounding of the single-process MoE under autocast."""
+    from moeflow.parallel.expert import apply_expert_parallel
+
+    R, me = ctx.world, ctx.rank
+    moe = seeded_moe(E, K, dim, shared=True, expert_impl="auto")  # FFN width 12: 24 bf16 bytes, so bmm
+    ep = copy.deepcopy(moe)
+    apply_expert_parallel(ep, ctx.group, backend=backend, ranks_per_node=G)
+    x_all = torch.randn(R * T, dim, generator=torch.Generator().manual_seed(7))
+    x = x_all[me * T:(me + 1) * T].clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref = moe(x_all)[me * T:(me + 1) * T]
+        ep.dispatcher.buffer.reset_stats()
+        y = ep(x)
+    from moeflow.ep.layout import combine_row_bytes, dispatch_row_bytes
+
+    s = copy.copy(ep.dispatcher.buffer.stats)  # the forward's (backward moves gradients too)
+    y.sum().backward()
+    assert y.dtype == x.dtype == torch.float32 and x.grad.dtype == torch.float32
+    rel = float((y - y_ref).norm().detach() / y_ref.norm().detach())
+    assert rel < 1e-2, rel
+    # summed over the ranks: a rank sends back the copies it received, not the ones it sent
+    sent = torch.tensor([s.dispatch_bytes_intra + s.dispatch_bytes_inter,
+                         s.combine_bytes_intra + s.combine_bytes_inter])
+    if dist.is_initialized():
+        dist.all_reduce(sent)
+    dispatched, combined = sent.tolist()
+    if backend == "alltoall":  # each (token, other rank) copy goes there and back: as many rows each way
+        rows, rest = divmod(dispatched,
+                            dispatch_row_bytes(dim, 2, num_topk=K, with_topk_idx=True, with_topk_weights=True))
+        assert rest == 0 and combined == rows * combine_row_bytes(dim, 2) and (R == 1 or rows > 0), (combined, rows)
+
+
 def seeded_moe(E: int, K: int, dim: int, shared: bool = True, expert_impl: str = "grouped_mm"):
     """A bare MoE layer (FFN width 12) with seeded N(0, 0.3) weights: a bare module's are uninitialised memory."""
     from moeflow.models.config import ModelConfig, MoEConfig
@@ -608,5 +642,6 @@ CASES = {
     "static_overflow": case_static_overflow, "overlap": case_overlap, "host_syncs": case_host_syncs,
     "reference": case_reference, "oracle": case_oracle, "layout_only": case_layout_only, "fp8": case_fp8,
     "low_latency": case_low_latency, "bad_inputs": case_bad_inputs, "timeout": case_timeout, "moe": case_moe,
+    "moe_autocast": case_moe_autocast,
     "sim_bytes": case_sim_bytes, "bf16": case_bf16,
 }

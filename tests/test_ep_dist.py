@@ -88,6 +88,8 @@ def cases_for(R: int, layouts: list[tuple[str, int]], n_drawn: int, moe: bool, t
     if moe:
         for backend, G in layouts:
             cases.append((f"moe {backend}/G{G}", "moe", dict(backend=backend, G=G, E=2 * R if R > 4 else 8)))
+            cases.append((f"moe autocast {backend}/G{G}", "moe_autocast",
+                          dict(backend=backend, G=G, E=2 * R if R > 4 else 8)))
         for chunks in (1, 2, 4) if R <= 2 else (2,):
             backend, G = layouts[0]
             cases.append((f"overlap {backend}/G{G} chunks={chunks}", "overlap",

@@ -425,3 +425,11 @@ def test_unknown_expert_impl_rejected():
     w = torch.randn(1, 3, 4)
     with pytest.raises(ValueError, match="expert_impl = 'fast'"):
         expert_matmuls(x, torch.tensor([2]), w, w, torch.randn(1, 4, 3), "fast")
+
+
+def test_explicit_grouped_mm_with_misaligned_rows_is_refused_by_name():
+    """expert_impl = 'grouped_mm' with rows torch's kernel rejects (12 bf16 = 24 bytes) says what to change."""
+    experts = GroupedExperts(2, 16, 12, impl="grouped_mm")
+    x = torch.randn(4, 16).bfloat16()
+    with pytest.raises(ValueError, match="expert_impl = 'grouped_mm'.*ffn_dim 12.*'auto'"):
+        experts(x, torch.tensor([1, 3]))

@@ -396,14 +396,20 @@ class GroupedExperts(nn.Module):
         self.column_major_weights = False
 
     def resolve_impl(self, x: torch.Tensor) -> str:
+        # grouped_mm needs 16-byte-aligned row strides ("strides should be multiple of 16 bytes")
+        misaligned = self.dim * x.element_size() % 16 or self.hidden * x.element_size() % 16
         if self.impl != "auto":
+            if self.impl == "grouped_mm" and misaligned:
+                raise ValueError(
+                    f"model.moe.expert_impl = 'grouped_mm' needs rows of a multiple of 16 bytes: dim {self.dim} and "
+                    f"ffn_dim {self.hidden} in {x.dtype} are not; use expert_impl = 'auto' (it takes bmm here) or "
+                    f"widths that are multiples of {16 // x.element_size()}")
             return self.impl
         impl = DEFAULT_EXPERT_IMPL.get(x.device.type, "loop")
         # torch's grouped_mm takes fp32 on the CPU but only bf16 on CUDA (as of torch 2.13).
         if impl == "grouped_mm" and x.device.type == "cuda" and x.dtype != torch.bfloat16:
             return "bmm"
-        # grouped_mm also needs 16-byte-aligned row strides ("strides should be multiple of 16 bytes").
-        if impl == "grouped_mm" and (self.dim * x.element_size() % 16 or self.hidden * x.element_size() % 16):
+        if impl == "grouped_mm" and misaligned:
             return "bmm"
         return impl
 

@@ -87,13 +87,16 @@ class ExpertParallelDispatcher:
 
     @torch.compiler.disable  # communication: a graph break (see dispatch)
     def combine(self, y_PD: torch.Tensor, d: Dispatched, x_TD: torch.Tensor):
-        out_ND = weighted_sum_back(y_PD, d, x_TD)
+        # This rank's experts summed per received row in x's dtype (fp32 under autocast), then sent in the experts'
+        # dtype (bf16 under autocast, as DeepEP combines): half the bytes; the Buffer sums the ranks in fp32.
+        out_ND = weighted_sum_back(y_PD, d, x_TD).to(y_PD.dtype)
         out_TD, _, event = self.buffer.combine(out_ND, d.handle, async_finish=self._async(out_ND.device))
-        return out_TD, event
+        return out_TD, event, x_TD.dtype
 
     @torch.compiler.disable  # communication: a graph break (see dispatch)
     def gather(self, outs: list) -> torch.Tensor:
-        arrived = [_wait(event, out_TD)[0] for out_TD, event in outs]
+        # cast after the wait: out_TD is filled when the combine arrives
+        arrived = [_wait(event, out_TD)[0].to(dtype) for out_TD, event, dtype in outs]
         return arrived[0] if len(arrived) == 1 else torch.cat(arrived)
 
 
