@@ -49,3 +49,18 @@ def _worker(rank: int, world: int, cases, run_case, setup, tmp: str, timeout_s: 
             break  # the peers may now wait in a collective this rank skipped: stop rather than cascade
     torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
     os._exit(0)  # no destroy_process_group: after a failure a peer may still hold an unmatched collective
+
+
+def check_results(results: list[dict[str, str]], cases: list[tuple] | None = None) -> None:
+    """Fail the test with the first failing case's traceback (and the names of all that failed), or if a rank did
+    not run every case (every case of `cases`, or without it every case some rank ran)."""
+    import pytest
+
+    failures = [(rank, name, tb) for rank, res in enumerate(results) for name, tb in res.items() if tb != "ok"]
+    if failures:
+        rank, name, tb = failures[0]
+        names = sorted({f"{n} (rank {r})" for r, n, _ in failures})
+        pytest.fail(f"{len(failures)} failed: {names[:20]}\nfirst, {name} on rank {rank}:\n{tb}")
+    wanted = [case[0] for case in cases] if cases is not None else sorted({n for res in results for n in res})
+    missing = [f"{n} (rank {r})" for r, res in enumerate(results) for n in wanted if n not in res]
+    assert not missing, f"cases that did not run: {missing[:20]}"

@@ -10,6 +10,7 @@ import torch
 
 from moeflow.parallel.context import local_positions, shard_sequence
 from tests import cp_worker
+from tests.dist_harness import check_results
 
 
 def test_layout_is_the_documented_example():
@@ -21,15 +22,6 @@ def test_layout_is_the_documented_example():
     assert local_positions(6, 0, 1).tolist() == list(range(6))  # cp = 1: the whole sequence
     with pytest.raises(ValueError, match=r"sequence of 12 tokens .* divisible by 2 x cp = 8"):
         shard_sequence(torch.zeros(1, 12), 0, 4)
-
-
-def _check(results, cases) -> None:
-    failures = [(rank, name, tb) for rank, res in enumerate(results) for name, tb in res.items() if tb != "ok"]
-    if not failures and any(len(res) != len(cases) for res in results):
-        failures = [(0, "harness", f"ran {[len(r) for r in results]} of {len(cases)} cases")]
-    if failures:
-        rank, name, tb = failures[0]
-        pytest.fail(f"{len(failures)} failed, first {name} on rank {rank}:\n{tb}")
 
 
 @pytest.mark.timeout(240)
@@ -46,4 +38,4 @@ def test_world4_attention_and_models():
         ("MLA model, cp=2 x dp=2", "model", dict(kind="mla", cp=2)),
         ("GQA model, cp=4, no valid target on cp rank 0", "model", dict(kind="gqa", cp=4, ignore_rank0=True)),
     ]
-    _check(cp_worker.launch(4, cases), cases)
+    check_results(cp_worker.launch(4, cases), cases)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tests.ep_worker import seeded_moe
+from tests.model_helpers import metric
 
 FAKE = str(Path(__file__).resolve().parent / "fake_deep_ep")
 TRAIN = [  # tests/test_layouts.py's BASE model, data and steps
@@ -419,10 +419,6 @@ CASES = [
 ]
 
 
-def _metrics(run_dir: Path, key: str) -> dict[int, float]:
-    return {r["step"]: r[key] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-
-
 def test_adapter_on_two_ranks(tmp_path):
     from moeflow.config import load_config, parse_overrides
     from moeflow.train.trainer import train
@@ -439,7 +435,7 @@ def test_adapter_on_two_ranks(tmp_path):
         bad = [r.get(name, "not run (an earlier case failed)") for r in results if r.get(name) != "ok"]
         assert not bad, f"{name}:\n{bad[0]}"
     for key in ("loss", "grad_norm"):
-        want, got = _metrics(one, key), _metrics(ep, key)
+        want, got = metric(one, key), metric(ep, key)
         assert sorted(got) == [1, 2, 3]
         for step, value in want.items():
             assert got[step] == pytest.approx(value, rel=1e-5), (key, step, got[step], value)

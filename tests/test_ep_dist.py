@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 import ep_worker  # noqa: E402
 
+from tests.dist_harness import check_results  # noqa: E402
+
 
 @st.composite
 def routing_st(draw, R: int):
@@ -103,35 +105,29 @@ def cases_for(R: int, layouts: list[tuple[str, int]], n_drawn: int, moe: bool, t
     return cases
 
 
-def _check(results: list[dict[str, str]]) -> None:
-    failures = [(rank, name, tb) for rank, res in enumerate(results) for name, tb in res.items() if tb != "ok"]
-    if not failures and len({len(res) for res in results}) != 1:
-        failures = [(0, "harness", "ranks ran different numbers of cases")]
-    if failures:
-        rank, name, tb = failures[0]
-        names = sorted({f"{n} (rank {r})" for r, n, _ in failures})
-        pytest.fail(f"{len(failures)} failed: {names[:20]}\nfirst, {name} on rank {rank}:\n{tb}")
-
-
 @pytest.mark.timeout(120)
 def test_world1_inline():
     layouts = [("alltoall", 1), ("hierarchical", 1), ("allgather", 1)]
-    _check([ep_worker.run_inline(cases_for(1, layouts, n_drawn=6, moe=True, timeout=False))])
+    cases = cases_for(1, layouts, n_drawn=6, moe=True, timeout=False)
+    check_results([ep_worker.run_inline(cases)], cases)
 
 
 @pytest.mark.timeout(120)
 def test_world2():
     layouts = [("alltoall", 2), ("hierarchical", 1), ("allgather", 1), ("alltoall", 1)]
-    _check(ep_worker.launch(2, cases_for(2, layouts, n_drawn=6, moe=True, timeout=True)))
+    cases = cases_for(2, layouts, n_drawn=6, moe=True, timeout=True)
+    check_results(ep_worker.launch(2, cases), cases)
 
 
 @pytest.mark.timeout(150)
 def test_world4_two_nodes_of_two():
     layouts = [("hierarchical", 2), ("alltoall", 2), ("allgather", 2), ("alltoall", 4)]
-    _check(ep_worker.launch(4, cases_for(4, layouts, n_drawn=5, moe=True, timeout=False)))
+    cases = cases_for(4, layouts, n_drawn=5, moe=True, timeout=False)
+    check_results(ep_worker.launch(4, cases), cases)
 
 
 @pytest.mark.timeout(240)
 def test_world8_2x4_and_4x2():
     layouts = [("hierarchical", 4), ("hierarchical", 2), ("alltoall", 4), ("alltoall", 2), ("allgather", 4)]
-    _check(ep_worker.launch(8, cases_for(8, layouts, n_drawn=3, moe=True, timeout=False)))
+    cases = cases_for(8, layouts, n_drawn=3, moe=True, timeout=False)
+    check_results(ep_worker.launch(8, cases), cases)

@@ -18,6 +18,7 @@ from moeflow.train.build import build_model
 from moeflow.train.checkpoint import CheckpointManager
 from moeflow.train.trainer import train
 from tests.layout_worker import launch
+from tests.model_helpers import metric
 
 BASE = [
     "--model.name=tiny-moe", "--model.dim=32", "--model.n_layers=4", "--model.n_heads=4",
@@ -111,11 +112,6 @@ def _cfg(run_dir, *extra):
     return load_config(None, {**parse_overrides([*BASE, *extra]), "run_dir": str(run_dir)})
 
 
-def _losses(run_dir, key="loss") -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r[key] for r in map(json.loads, lines)}
-
-
 def _final_params(run_dir, cfg) -> dict[str, torch.Tensor]:
     """The run's newest checkpoint loaded into one process (the resharding loader)."""
     par, optimizer, _ = build_model(cfg, torch.device("cpu"), *cfg.layout(1))
@@ -131,10 +127,10 @@ def reference(tmp_path_factory):
     train(_cfg(root / "three"), fresh=True, progress=False)
     train(_cfg(root / "six", "--training.steps=6"), fresh=True, progress=False)
     train(_cfg(root / "bf16", "--training.dtype=bf16"), fresh=True, progress=False)
-    return {"three": (_losses(root / "three"), _final_params(root / "three", _cfg(root / "three"))),
-            "grad_norms": _losses(root / "three", "grad_norm"),
-            "six": _losses(root / "six"),
-            "bf16": (_losses(root / "bf16"), _losses(root / "bf16", "grad_norm"))}
+    return {"three": (metric(root / "three"), _final_params(root / "three", _cfg(root / "three"))),
+            "grad_norms": metric(root / "three", "grad_norm"),
+            "six": metric(root / "six"),
+            "bf16": (metric(root / "bf16"), metric(root / "bf16", "grad_norm"))}
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
@@ -149,8 +145,8 @@ def test_layouts_match_one_process(world, reference, tmp_path):
         assert bf16_losses != reference["three"][0]  # autocast is on: bf16 roundings show
         for name in BF16:
             assert results[name] == "ok", f"{name}:\n{results[name]}"
-            assert _losses(tmp_path / name) == pytest.approx(bf16_losses, rel=BF16_LOSS_REL), name
-            assert _losses(tmp_path / name, "grad_norm") == pytest.approx(bf16_grad_norms, rel=BF16_GRAD_NORM_REL)
+            assert metric(tmp_path / name) == pytest.approx(bf16_losses, rel=BF16_LOSS_REL), name
+            assert metric(tmp_path / name, "grad_norm") == pytest.approx(bf16_grad_norms, rel=BF16_GRAD_NORM_REL)
             for rank in range(world):  # every matmul module ran in bf16 on every rank (the losses cannot show it)
                 seen = json.loads((tmp_path / name / f"output_dtypes.rank{rank}.json").read_text())
                 for kind in ("Linear", "GroupedExperts"):
@@ -174,12 +170,12 @@ def _assert_matches_one_process(name: str, run_dir, reference) -> None:
     """Losses, gradient norms and final parameters of a run equal one process's; for the PLANNED layouts, the
     planner's per-rank state equals what training held."""
     ref_losses, ref_params = reference["three"]
-    losses = _losses(run_dir)
+    losses = metric(run_dir)
     assert sorted(losses) == [1, 2, 3], name
     for step, loss in ref_losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5), (name, step)
     # AdamW forgives a gradient off by a constant factor; the global gradient norm does not.
-    grad_norms = _losses(run_dir, "grad_norm")
+    grad_norms = metric(run_dir, "grad_norm")
     for step, norm in reference["grad_norms"].items():
         assert grad_norms[step] == pytest.approx(norm, rel=1e-5), (name, "grad_norm", step)
     params = _final_params(run_dir, _cfg(run_dir))
@@ -211,7 +207,7 @@ def test_checkpoint_reshards_across_layouts(reference, tmp_path):
     results = launch(4, cases)
     for name, outcome in results.items():
         assert outcome == "ok", f"{name}:\n{outcome}"
-    losses = _losses(tmp_path / "run")
+    losses = metric(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     for step, loss in reference["six"].items():
         assert losses[step] == pytest.approx(loss, rel=1e-5), step

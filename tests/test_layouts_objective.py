@@ -6,13 +6,12 @@ contrast, changes with the layout (each rank balances its own tokens), which is 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from moeflow.config import load_config, parse_overrides
 from moeflow.train.trainer import train
 from tests.layout_worker import launch
+from tests.model_helpers import metric
 from tests.test_layouts import BASE
 
 MTP = ["--model.mtp_depth=1", "--model.mtp_loss_coef=0.3"]
@@ -37,11 +36,6 @@ def _cfg(run_dir, *extra):
     return load_config(None, {**parse_overrides([*BASE, *extra]), "run_dir": str(run_dir)})
 
 
-def _metric(run_dir, key) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r[key] for r in map(json.loads, lines)}
-
-
 KEYS = {"global-mtp": ("loss", "grad_norm", "mtp_loss"), "sequence-mtp": ("loss", "grad_norm", "mtp_loss"),
         "global": ("loss", "grad_norm")}
 
@@ -52,11 +46,11 @@ def one_process(tmp_path_factory):
     out = {}
     for name, extra in OBJECTIVES.items():
         train(_cfg(root / name, *extra), fresh=True, progress=False)
-        out[name] = {key: _metric(root / name, key) for key in KEYS[name]}
+        out[name] = {key: metric(root / name, key) for key in KEYS[name]}
     # gradient accumulation in one process: the global-batch loss takes its counting pass
     train(_cfg(root / "accumulated", *OBJECTIVES["global-mtp"], "--training.micro_batch=2"), fresh=True,
           progress=False)
-    out["accumulated"] = {key: _metric(root / "accumulated", key) for key in KEYS["global-mtp"]}
+    out["accumulated"] = {key: metric(root / "accumulated", key) for key in KEYS["global-mtp"]}
     return out
 
 
@@ -75,4 +69,4 @@ def test_objective_layouts_match_one_process(one_process, tmp_path):
     for name, (objective, _) in CASES.items():
         assert results[name] == "ok", f"{name}:\n{results[name]}"
         run = tmp_path / name.replace(" ", "_")
-        _assert_same({key: _metric(run, key) for key in KEYS[objective]}, one_process[objective], name)
+        _assert_same({key: metric(run, key) for key in KEYS[objective]}, one_process[objective], name)

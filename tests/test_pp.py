@@ -24,6 +24,8 @@ from moeflow.parallel.runner import router_layers
 sys.path.insert(0, os.path.dirname(__file__))
 import pp_worker  # noqa: E402
 
+from tests.dist_harness import check_results  # noqa: E402
+
 ALL_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                  "DualPipeV"]
 
@@ -173,16 +175,6 @@ def test_stage_module_errors():
 # ---- training over gloo ---------------------------------------------------------------------------------
 
 
-def _check(results: list[dict[str, str]], cases) -> None:
-    failures = [(rank, name, tb) for rank, res in enumerate(results) for name, tb in res.items() if tb != "ok"]
-    missing = [name for name, _, _ in cases if any(name not in res for res in results)]
-    if failures:
-        rank, name, tb = failures[0]
-        names = sorted({f"{n} (rank {r})" for r, n, _ in failures})
-        pytest.fail(f"{len(failures)} failed: {names[:20]}\nfirst, {name} on rank {rank}:\n{tb}")
-    assert not missing, f"cases that did not run: {missing}"
-
-
 def _train(kind, schedule, **kwargs):
     tag = " ".join([kind, schedule] + [f"{k}={v}" for k, v in kwargs.items()])
     return (tag, "train", dict(kind=kind, schedule=schedule, **kwargs))
@@ -200,7 +192,7 @@ def test_pp2_every_schedule_matches_the_single_device_model():
               _train("dense", "GPipe", pp=2, boundaries=[[0], [1, 2, 3]]),
               _train("moe", "GPipe", pp=2, n_microbatches=8, eval_before_last=False),
               ("bad batch", "bad_batch", {})]
-    _check(pp_worker.launch(2, cases), cases)
+    check_results(pp_worker.launch(2, cases), cases)
 
 
 @pytest.mark.timeout(180)
@@ -214,4 +206,4 @@ def test_pp2_x_dp2_fsdp_and_expert_parallel():
              _train("moe", "DualPipeV", pp=2, dp=2),
              _train("moe", "1F1B", pp=2, dp=2, ep=True, n_microbatches=2),
              _train("moe", "ZBVZeroBubble", pp=2, dp=2, ep=True)]
-    _check(pp_worker.launch(4, cases), cases)
+    check_results(pp_worker.launch(4, cases), cases)

@@ -15,6 +15,7 @@ from moeflow.config import load_config, parse_overrides
 from moeflow.train.trainer import train
 from tests.data_fixtures import conversations, make_chat_tokenizer, write_jsonl
 from tests.layout_worker import launch
+from tests.model_helpers import metric
 
 BASE = [
     "--model.name=tiny-moe", "--model.vocab_size=320", "--model.dim=32", "--model.n_layers=4", "--model.n_heads=4",
@@ -38,14 +39,9 @@ def _cfg(run_dir, *extra):
     return load_config(None, {**parse_overrides([*BASE, *extra]), "run_dir": str(run_dir)})
 
 
-def _metric(run_dir, key="loss") -> dict[int, float]:
-    return {r["step"]: r[key] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if key in r}
-
-
 def _same(run_dir, ref_dir, steps, what):
     for key in ("loss", "grad_norm"):
-        got, want = _metric(run_dir, key), _metric(ref_dir, key)
+        got, want = metric(run_dir, key), metric(ref_dir, key)
         assert sorted(got) == list(steps), (what, key, sorted(got))
         for step in steps:
             assert got[step] == pytest.approx(want[step], rel=1e-5), (what, key, step, got[step], want[step])
@@ -77,7 +73,7 @@ def test_accumulation_4x1_equals_1x4(reference, chat, tmp_path):
     train(_cfg(tmp_path / "acc", *chat, f"--training.steps={STEPS}", "--training.micro_batch=1"), fresh=True,
           progress=False)
     _same(tmp_path / "acc", reference / "rows", range(1, STEPS + 1), "4 x 1 micro-batches")
-    assert _metric(tmp_path / "acc", "val_loss") == pytest.approx(_metric(reference / "rows", "val_loss"), rel=1e-5)
+    assert metric(tmp_path / "acc", "val_loss") == pytest.approx(metric(reference / "rows", "val_loss"), rel=1e-5)
 
 
 LAYOUTS = {  # name: (extra settings, reference run)

@@ -31,6 +31,8 @@ from moeflow.sim.routing import sample_topk
 sys.path.insert(0, os.path.dirname(__file__))
 import ep_worker  # noqa: E402
 
+from tests.dist_harness import check_results  # noqa: E402
+
 STRATEGY = {"alltoall": "rank", "hierarchical": "node", "allgather": "allgather"}
 HIDDEN = {"bf16": 8, "fp32": 8, "fp8": 128}  # fp8 needs whole 128-channel scale blocks
 
@@ -122,17 +124,8 @@ def test_predictions_are_not_trivial():
         assert ag[0][:2] == [0, 0] and ag[0][2:] != [0, 0]  # sends no tokens, combines the others'
 
 
-def _check(results: list[dict[str, str]], n_cases: int) -> None:
-    failures = [(rank, name, tb) for rank, res in enumerate(results) for name, tb in res.items() if tb != "ok"]
-    if failures:
-        rank, name, tb = failures[0]
-        names = sorted({n for _, n, _ in failures})
-        pytest.fail(f"{len(failures)} failed: {names[:20]}\nfirst, {name} on rank {rank}:\n{tb}")
-    assert [len(res) for res in results] == [n_cases] * len(results)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("R,G", [(4, 2), (8, 4)], ids=["world4_2x2", "world8_2x4"])
 def test_sim_bytes_equal_buffer_stats(R, G):
     cases = cases_for(R, G)
-    _check(ep_worker.launch(R, cases), len(cases))
+    check_results(ep_worker.launch(R, cases), cases)

@@ -15,21 +15,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import tp_worker  # noqa: E402
 
-
-def _check(results: list[dict[str, str]], cases) -> None:
-    failures = [(rank, name, tb) for rank, res in enumerate(results) for name, tb in res.items() if tb != "ok"]
-    if not failures and any(len(res) != len(cases) for res in results):
-        failures = [(0, "harness", f"ran {[len(r) for r in results]} of {len(cases)} cases")]
-    if failures:
-        rank, name, tb = failures[0]
-        names = sorted({f"{n} (rank {r})" for r, n, _ in failures})
-        pytest.fail(f"{len(failures)} failed: {names}\nfirst, {name} on rank {rank}:\n{tb}")
+from tests.dist_harness import check_results  # noqa: E402
 
 
 def test_world1_tp1_is_a_noop_and_loss_is_cross_entropy():
     cases = [("tp=1 no-op", "tp1_noop", {}), ("plain loss and grad norm", "plain_loss_and_norm", {}),
              ("parallelize adds no attributes, world 1", "parallelize_adds_no_attributes", {})]
-    _check([tp_worker.run_inline(cases)], cases)
+    check_results([tp_worker.run_inline(cases)], cases)
 
 
 @pytest.mark.timeout(180)
@@ -50,7 +42,7 @@ def test_world2_tp2():
         ("HF Qwen3-MoE through moeflow.parallelize, ep=2", "hf_parallelize", dict(arch="qwen3_moe", ep=2)),
         ("parallelize adds no attributes, world 2", "parallelize_adds_no_attributes", {}),
     ]
-    _check(tp_worker.launch(2, cases), cases)
+    check_results(tp_worker.launch(2, cases), cases)
 
 
 @pytest.mark.timeout(240)
@@ -63,4 +55,4 @@ def test_world4_tp2_with_fsdp2_and_ep():
         ("HF Qwen3-MoE through moeflow.parallelize, tp=2 x ep=2", "hf_parallelize",
          dict(arch="qwen3_moe", tp=2, ep=2)),
     ]
-    _check(tp_worker.launch(4, cases), cases)
+    check_results(tp_worker.launch(4, cases), cases)
