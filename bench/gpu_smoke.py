@@ -2,7 +2,8 @@
 
     PASS info: ...           moeflow info (versions, the device)
     PASS moe_block: ...      the MoE block in bf16 (grouped_mm) vs a loop reference; fwd+bwd ms vs the dense
-                             matmul floor of the same FLOPs (the ratio)
+                             matmul floor of the same FLOPs (the ratio); fp32 input under bf16 autocast reaches
+                             the experts as bf16 and takes grouped_mm
     PASS ep_world1[...]: ... moeflow.ep at world size 1 on NCCL through every backend (alltoall, hierarchical,
                              allgather, static sizes), async, outputs vs the single-process oracle
     PASS ep_no_host_sync: .. the EP MoE layer with static sizes under torch.cuda.set_sync_debug_mode("error")
@@ -123,9 +124,21 @@ def moe_block(device, T=4096, E=16, K=4, D=1024, F=1024):
         a @ w, a @ w, g @ w2
         g @ w.t(), a.t() @ g, g @ w.t(), a.t() @ g, gd @ w2.t(), g.t() @ gd
 
+    # What the trainer does: fp32 activations into the block under bf16 autocast. The experts must get bf16 and
+    # take grouped_mm (on CUDA an fp32 input falls back to padded bmm: a host sync and padding).
+    seen = []
+    auto = copy.deepcopy(moe)
+    auto.experts.impl = "auto"
+    auto.experts.register_forward_pre_hook(lambda m, args: seen.append((args[0].dtype, m.resolve_impl(args[0]))))
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        auto(x.detach().float())
+    if seen != [(torch.bfloat16, "grouped_mm")]:
+        raise AssertionError(f"under bf16 autocast the experts got {seen}, want [(bfloat16, 'grouped_mm')]")
+
     t_block, t_floor = median_ms(block, device), median_ms(floor, device)
     return (f"T={T} E={E} K={K} D={D} F={F} {str(dtype).split('.')[1]}: {t_block:.2f} ms fwd+bwd, dense floor "
-            f"{t_floor:.2f} ms, ratio {t_block / t_floor:.2f}x; grouped_mm vs loop rel err {err:.1e}")
+            f"{t_floor:.2f} ms, ratio {t_block / t_floor:.2f}x; grouped_mm vs loop rel err {err:.1e}; fp32 input "
+            f"under autocast -> bf16 grouped_mm")
 
 
 def _init_world1(device):
