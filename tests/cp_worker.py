@@ -7,6 +7,7 @@ moeflow.parallel.context: rank r of cp keeps the positions p with p // C in {r, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -80,17 +81,38 @@ def case_attention(groups, layout: str, kind: str, C: int = 3, dtype: str = "fp3
                   for h, d in ((H, Dk), (Hk, Dk), (Hk, Dv), (H, Dv)))
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
     q, k, v, g = (t.to(dt) for t in (q, k, v, g))
+    # "autocast": fp32 inputs under bf16 autocast (as a qk-norm's fp32 weight leaves q and k): the keys and values
+    # must be gathered, and attended, in bf16
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast")
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=scale, enable_gqa=H != Hk)
-    ref.backward(g)
+    with amp:
+        ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=scale, enable_gqa=H != Hk)
+    ref.backward(g.to(ref.dtype))
     pos = torch.tensor(positions(S, rank, cp))
     local = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*local, group, scale=scale)
-    out.backward(g[:, :, pos])
+    gathered = []
+    with amp, _recording_gather_dtypes(gathered):
+        out = context_parallel_attention(*local, group, scale=scale)
+    out.backward(g[:, :, pos].to(out.dtype))
+    if dtype == "autocast":
+        assert out.dtype == torch.bfloat16 and gathered == [torch.bfloat16], (out.dtype, gathered)
     atol = ATOL if dtype == "fp32" else 3e-2  # bf16: a few ulps, against SDPA in bf16
     _close("out", out, ref[:, :, pos], atol)
     for name, mine, whole in zip(("dq", "dk", "dv"), local, full):
         _close(name, mine.grad, whole.grad[:, :, pos], atol)
+
+
+@contextlib.contextmanager
+def _recording_gather_dtypes(seen: list):
+    """Record the dtype of what context_parallel_attention all-gathers (its keys and values)."""
+    from moeflow.parallel import context
+
+    original = context._GatherSequence.apply
+    context._GatherSequence.apply = lambda t, group: (seen.append(t.dtype), original(t, group))[1]
+    try:
+        yield
+    finally:
+        context._GatherSequence.apply = original
 
 
 def case_odd_local_length_refused(groups):

@@ -1,10 +1,12 @@
 """Count the operations that would make a GPU wait for the host (a device-to-host read) inside a block.
 
 On a CPU nothing waits, so the test counts the calls that would: Python-level reads of a tensor's values
-(.item(), .tolist(), .cpu(), .numpy(), bool/int/float of a tensor) and the aten ops whose output size depends on
-the data (nonzero, masked_select, boolean indexing, bincount, unique, repeat_interleave without output_size)
-or that read a scalar back (_local_scalar_dense). Both layers are watched: Python patches catch the methods,
-a TorchDispatchMode catches the ops (also inside autograd's backward, which runs on the calling thread here).
+(.item(), .tolist(), .cpu(), .numpy(), bool/int/float of a tensor), tensors made from host data (torch.tensor of
+Python numbers: a host-to-device copy from pageable memory, which syncs a GPU's stream) and the aten ops whose
+output size depends on the data (nonzero, masked_select, boolean indexing, bincount, unique, repeat_interleave
+without output_size) or that read a scalar back (_local_scalar_dense). Both layers are watched: Python patches
+catch the methods, a TorchDispatchMode catches the ops (also inside autograd's backward, which runs on the
+calling thread here).
 """
 
 from __future__ import annotations
@@ -53,11 +55,20 @@ def count_host_syncs():
             return original(self, *args, **kwargs)
         return method
 
+    original_tensor = torch.tensor
+
+    def tensor(data, *args, **kwargs):
+        if not isinstance(data, torch.Tensor):  # on a GPU: a copy from pageable host memory, which syncs
+            counts["torch.tensor(host data)"] += 1
+        return original_tensor(data, *args, **kwargs)
+
     for name, original in originals.items():
         setattr(torch.Tensor, name, watched(name, original))
+    torch.tensor = tensor
     try:
         with _Ops(counts):
             yield counts
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        torch.tensor = original_tensor

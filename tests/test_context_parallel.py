@@ -32,6 +32,8 @@ def test_world4_attention_and_models():
     cases += [
         ("attention cp=2 (strided pairs) GQA", "attention", dict(layout="strided", kind="GQA")),
         ("attention cp=4 GQA bf16", "attention", dict(layout="world", kind="GQA", dtype="bf16")),
+        ("attention cp=4 GQA fp32 under bf16 autocast", "attention",
+         dict(layout="world", kind="GQA", dtype="autocast")),
         ("attention: odd local length refused", "odd_local_length_refused", {}),
         ("GQA model, cp=2 x dp=2", "model", dict(kind="gqa", cp=2)),
         ("MLA model, cp=4", "model", dict(kind="mla", cp=4)),

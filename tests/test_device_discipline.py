@@ -77,3 +77,29 @@ def test_every_tensor_factory_names_its_device():
     assert bad == [], "\n".join(bad)
     used = {(file, fn, name) for file, _, fn, name in calls}
     assert set(ALLOWED) <= used, f"allow-list entries that match nothing any more: {set(ALLOWED) - used}"
+
+
+def test_host_sync_counter_sees_each_kind():
+    """tests/host_syncs.py (which guards the static EP path at zero) counts each kind of host sync, and nothing
+    for work that stays on the device."""
+    import torch
+
+    from tests.host_syncs import count_host_syncs
+
+    x = torch.arange(6.0)
+    with count_host_syncs() as quiet:
+        (x * 2).sum()
+        x.new_full((1,), 3)
+    assert sum(quiet.values()) == 0, dict(quiet)
+    with count_host_syncs() as counts:
+        x.sum().item()
+        x.tolist()
+        torch.tensor([len(x)])
+        x.nonzero()
+        x[x > 2]
+        bool(x[0])
+    # (item and bool are also seen as aten._local_scalar_dense underneath: one sync, two layers)
+    want = {"Tensor.item", "Tensor.tolist", "torch.tensor(host data)", "aten.nonzero.default", "boolean indexing",
+            "Tensor.__bool__"}
+    assert set(counts) - {"aten._local_scalar_dense.default"} == want, dict(counts)
+    assert all(counts[k] == 1 for k in want), dict(counts)

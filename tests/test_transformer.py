@@ -225,3 +225,18 @@ def test_mla_matches_naive_loop(q_lora_rank):
                 outs.append(o)
             want[b] = torch.cat(outs, -1) @ attn.wo.weight.T
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_repeated_kv_heads_equal_grouped_query_attention_with_a_mask():
+    """attend() repeats the key/value heads for a masked GQA call on CUDA (so a fused kernel takes it): the
+    repetition must group heads as enable_gqa does (query head h reads key head h // (H / Hk))."""
+    from moeflow.models.attention import document_causal_mask, repeat_kv_heads
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 6, 8, generator=g) for h in (6, 2, 2))
+    mask = document_causal_mask(torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]]))
+    grouped = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    repeated = F.scaled_dot_product_attention(q, repeat_kv_heads(k, 6), repeat_kv_heads(v, 6), attn_mask=mask)
+    torch.testing.assert_close(repeated, grouped, rtol=0, atol=1e-6)
+    wrong = F.scaled_dot_product_attention(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1), attn_mask=mask)
+    assert not torch.allclose(wrong, grouped, atol=1e-3)  # the other grouping differs: the test can tell

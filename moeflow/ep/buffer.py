@@ -514,10 +514,10 @@ class Buffer:
     def _exchange_counts(self, T: int, mask_TR, topk_idx, num_experts, given: dict) -> Counts:
         """Every rank's tokens per destination rank, node and expert (one all_gather). Counts the caller passed
         (get_dispatch_layout's) are sent as they are; the others are counted here."""
-        dev = mask_TR.device
         per_rank = given.get("rank")
         per_node = given.get("node")
-        vec = [torch.tensor([T], device=dev), mask_TR.sum(0) if per_rank is None else per_rank,
+        # T by a fill on the device, not torch.tensor([T]): a host-to-device copy from pageable memory syncs a GPU
+        vec = [mask_TR.new_full((1,), T, dtype=torch.int64), mask_TR.sum(0) if per_rank is None else per_rank,
                L_.node_mask(mask_TR, self.ranks_per_node).sum(0) if per_node is None else per_node]
         if topk_idx is not None:
             per_expert = given.get("expert")

@@ -47,6 +47,25 @@ def cached_causal_mask(new: int, cached: int, device) -> torch.Tensor | None:
 def attend(q_BHSqD: torch.Tensor, k_BHSkD: torch.Tensor, v_BHSkD: torch.Tensor, mask: torch.Tensor | None = None,
            scale: float | None = None) -> torch.Tensor:
     """scaled_dot_product_attention with `mask` (None = causal); fewer key heads than query heads is GQA."""
+    gqa = q_BHSqD.shape[1] != k_BHSkD.shape[1]
+    if gqa and mask is not None and q_BHSqD.is_cuda and not _fused_masked_gqa(q_BHSqD, k_BHSkD, v_BHSkD, mask):
+        # On CUDA flash attention takes no mask, and where memory-efficient attention takes no enable_gqa a
+        # masked GQA call falls to the math kernel (fp32 [B, H, Sq, Sk] scores kept for backward): repeat the
+        # key/value heads, which memory-efficient attention then takes with the mask.
+        k_BHSkD, v_BHSkD = repeat_kv_heads(k_BHSkD, q_BHSqD.shape[1]), repeat_kv_heads(v_BHSkD, q_BHSqD.shape[1])
+        gqa = False
     return F.scaled_dot_product_attention(
-        q_BHSqD, k_BHSkD, v_BHSkD, attn_mask=mask, is_causal=mask is None,
-        scale=scale, enable_gqa=q_BHSqD.shape[1] != k_BHSkD.shape[1])
+        q_BHSqD, k_BHSkD, v_BHSkD, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
+
+
+def repeat_kv_heads(x_BHkSD: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, H, S, D] from [B, Hk, S, D]: each key/value head repeated for the H / Hk query heads that share it (the
+    grouping enable_gqa uses: query head h reads key head h // (H / Hk))."""
+    return x_BHkSD.repeat_interleave(num_heads // x_BHkSD.shape[1], dim=1)
+
+
+def _fused_masked_gqa(q, k, v, mask) -> bool:
+    """Whether memory-efficient attention takes this masked GQA call as it is (torch decides per version)."""
+    from torch.backends.cuda import SDPAParams, can_use_efficient_attention
+
+    return can_use_efficient_attention(SDPAParams(q, k, v, mask, 0.0, False, True))

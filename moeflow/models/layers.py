@@ -15,6 +15,18 @@ from moeflow.models.attention import attend
 from moeflow.models.config import RopeScaling
 
 
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x in the dtype autocast runs matmuls in, or as it is outside autocast. For inputs of ops autocast does not
+    cast: torch._grouped_mm (not on a CPU in torch 2.13: the experts ran in fp32 under bf16 autocast; on a GPU an
+    fp32 input would miss the bf16 grouped GEMM), and attention kernels reached without autocast (context
+    parallelism's lower-right causal mask). Cast before a collective, it also halves the bytes moved."""
+    device_type = x.device.type
+    if x.is_floating_point() and torch.amp.is_autocast_available(device_type) and \
+            torch.is_autocast_enabled(device_type):
+        return x.to(torch.get_autocast_dtype(device_type))
+    return x
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()

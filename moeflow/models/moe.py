@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.models.config import ModelConfig, MoEConfig
+from moeflow.models.layers import autocast_input
 
 # The fastest grouped-matmul path measured by bench/moe_layer.py, per device type (see its README table).
 DEFAULT_EXPERT_IMPL = {"cpu": "grouped_mm", "cuda": "grouped_mm"}
@@ -236,18 +237,6 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float())
 
 
-def autocast_input(x: torch.Tensor) -> torch.Tensor:
-    """x in the dtype autocast runs matmuls in, or as it is outside autocast. The experts' input is cast here,
-    before dispatch: autocast does not cover torch._grouped_mm on every device (not on a CPU in torch 2.13, where
-    the experts ran in fp32 under bf16 autocast), and on a GPU an fp32 input would miss the bf16 grouped GEMM. It
-    also sends half the bytes under expert parallelism."""
-    device_type = x.device.type
-    if x.is_floating_point() and torch.amp.is_autocast_available(device_type) and \
-            torch.is_autocast_enabled(device_type):
-        return x.to(torch.get_autocast_dtype(device_type))
-    return x
-
-
 def count_keys(key_N: torch.Tensor, num_bins: int) -> torch.Tensor:
     """[num_bins] int64 occurrences of each key in [0, num_bins). A scatter-add, not torch.bincount, whose
     output size depends on the largest key: reading it is a host sync on a GPU."""
@@ -406,7 +395,8 @@ class GroupedExperts(nn.Module):
                     f"widths that are multiples of {16 // x.element_size()}")
             return self.impl
         impl = DEFAULT_EXPERT_IMPL.get(x.device.type, "loop")
-        # torch's grouped_mm takes fp32 on the CPU but only bf16 on CUDA (as of torch 2.13).
+        # On CUDA torch's fast grouped GEMM is bf16 only (other dtypes take a per-group fallback after reading the
+        # offsets back to the host): bf16 comes in under autocast (MoE.forward casts), fp32 training takes bmm.
         if impl == "grouped_mm" and x.device.type == "cuda" and x.dtype != torch.bfloat16:
             return "bmm"
         if impl == "grouped_mm" and misaligned:

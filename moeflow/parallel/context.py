@@ -44,7 +44,7 @@ from torch import nn
 from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
-from moeflow.models.layers import AttentionCore
+from moeflow.models.layers import AttentionCore, autocast_input
 from moeflow.models.transformer import Transformer
 
 # ---- the layout -------------------------------------------------------------------------------------------
@@ -116,6 +116,9 @@ def context_parallel_attention(q_BHLDk: torch.Tensor, k_BHkLDk: torch.Tensor, v_
         raise ValueError(f"context-parallel attention needs an even number of local tokens (two equal chunks), got "
                          f"{L}; the sequence length must be divisible by 2 x cp = {2 * cp}")
     C = L // 2
+    # Under autocast q and k can arrive fp32 (a qk-norm's fp32 weight promotes its bf16 input), and the lower-right
+    # causal mask reaches the attention kernel without autocast's cast: cast here (it also halves the gather).
+    q_BHLDk, k_BHkLDk, v_BHkLDv = (autocast_input(t) for t in (q_BHLDk, k_BHkLDk, v_BHkLDv))
     # Keys and values in one collective (they differ in width under multi-head latent attention: concatenate).
     kv_BHkSD = _GatherSequence.apply(torch.cat([k_BHkLDk, v_BHkLDv], dim=-1), group)
     kv_BHkSD = kv_BHkSD.index_select(2, _sequence_order(cp, C, q_BHLDk.device))

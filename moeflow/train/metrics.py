@@ -22,7 +22,8 @@ def peak_flops_per_device(device: torch.device, dtype: str) -> float | None:
     for gpu in GPUS.values():
         family = gpu.name.split("-")[0].upper()
         if family in name and (not gpu.name.endswith("GB") or abs(gpu.memory_gb - memory_gb) < 8):
-            # bf16 tensor-core peak; fp32 training runs at TF32 at best, so MFU is against bf16 there too.
+            # bf16 tensor-core peak, for fp32 training too (its matmuls run at TF32 only where the user has set
+            # torch.backends.cuda.matmul.allow_tf32; either way below the bf16 peak).
             return gpu.bf16_tflops * 1e12
     return None
 
