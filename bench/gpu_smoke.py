@@ -9,6 +9,8 @@
     PASS ep_no_host_sync: .. the EP MoE layer with static sizes under torch.cuda.set_sync_debug_mode("error")
     PASS train_bf16: ...     20 steps of a small MoE model in bf16 on CUDA: loss falls, tokens/s, MFU
     PASS hf_parity: ...      a tiny transformers Qwen3-MoE and its moeflow copy: logits on the GPU
+    PASS masked_gqa_attention: packed documents under GQA: attend() equals enable_gqa, and on CUDA no fp32 scores
+                             are materialised (peak memory)
     PASS fp8: ...            bench/fp8.py: 50 steps with training.fp8 (tensorwise, rowwise) against bf16, every
                              step's loss within 3% (torchao's float8 kernels need CUDA)
     PASS/SKIP deep_ep: ...   the real DeepEP, if installed
@@ -258,6 +260,43 @@ def hf_parity(device):
     return f"Qwen3-MoE logits max abs diff {err:.1e} on {device}"
 
 
+@check("masked_gqa_attention")
+def masked_gqa_attention(device, B=1, H=16, Hk=4, S=4096, D=128):
+    """Packed documents under GQA (moeflow.models.attention.attend with a mask): the same output as enable_gqa, and
+    on CUDA no materialised scores (the math kernel keeps fp32 [B, H, S, S] for backward: 1 GiB at these sizes)."""
+    import torch.nn.functional as F
+
+    from moeflow.models.attention import attend, document_causal_mask
+
+    if device.type == "cpu":
+        S, H, Hk, D = 256, 4, 2, 32
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, h, S, D, device=device, dtype=dtype, generator=g, requires_grad=True)
+               for h in (H, Hk, Hk))
+    docs = torch.arange(S, device=device).unsqueeze(0) // (S // 8)  # 8 documents of S / 8 tokens
+    mask = document_causal_mask(docs)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    out = attend(q, k, v, mask)
+    out.float().sum().backward()
+    sync(device)
+    grown = (torch.cuda.max_memory_allocated(device) - before) / 2**20 if device.type == "cuda" else 0.0
+    scores_mb = B * H * S * S * 4 / 2**20
+    with torch.no_grad():
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    err = float((out.detach().float() - ref.float()).abs().max())
+    if err > 2e-2:
+        raise AssertionError(f"attend vs enable_gqa max abs diff {err:.3g}")
+    if device.type == "cuda" and grown > scores_mb / 2:
+        raise AssertionError(f"peak memory grew {grown:.0f} MiB: the math kernel's scores ({scores_mb:.0f} MiB) "
+                             "were materialised")
+    return (f"B={B} H={H} Hk={Hk} S={S} {str(dtype).split('.')[1]}: vs enable_gqa max abs diff {err:.1e}; "
+            f"peak memory grew {grown:.0f} MiB (fp32 scores would be {scores_mb:.0f} MiB)")
+
+
 @check("fp8")
 def fp8_training(python: str, device):
     if device.type != "cuda":
@@ -293,6 +332,7 @@ def main() -> int:
     ep_no_host_sync(device)
     train_bf16(python, device)
     hf_parity(device)
+    masked_gqa_attention(device)
     fp8_training(python, device)
     deep_ep_check(device)
     failed = [name for status, name, _ in RESULTS if status == "FAIL"]
