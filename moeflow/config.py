@@ -21,7 +21,7 @@ from pathlib import Path
 
 from moeflow.errors import check_choice, closest
 from moeflow.layout import BatchSplit, ParallelDims
-from moeflow.models.config import ModelConfig, MoEConfig
+from moeflow.models.config import ModelConfig, MoEConfig, grouped_mm_alignment_error
 from moeflow.models.presets import get_preset
 
 
@@ -233,6 +233,11 @@ class JobConfig:
         if self.metrics.wandb and importlib.util.find_spec("wandb") is None:  # before any process starts
             raise ValueError("metrics.wandb = true needs the wandb package: pip install -e .[wandb] (or set "
                              "metrics.wandb = false)")
+        if self.model.is_moe and self.model.moe.expert_impl == "grouped_mm":  # else a ValueError mid-forward
+            itemsize, name = (2, "bf16") if t.dtype == "bf16" else (4, "fp32")
+            unaligned = grouped_mm_alignment_error(self.model.dim, self.model.moe.ffn_dim, itemsize, name)
+            if unaligned:
+                raise ValueError(unaligned)
         if t.fp8 != "none":
             self._validate_fp8()
         ac = t.activation_checkpointing

@@ -57,6 +57,8 @@ def test_booleans_and_optional_values():
         (["--training.fp8=tensorwise", "--data.seq_len=48", "--parallel.cp=2"],
          r"data.seq_len \(48\) must be a multiple of 16 x parallel.cp \(2\) = 32"),
         (["--parallel.ep_num_worst_tokens=64"], r"parallel.ep_num_worst_tokens = 64; use 0 .* or -1"),
+        (["--model.moe.expert_impl=grouped_mm", "--model.moe.ffn_dim=12", "--training.dtype=bf16"],
+         r"expert_impl = 'grouped_mm' needs rows of a multiple of 16 bytes: .*ffn_dim 12 in bf16.*'auto'"),
         (["--parallel.ep_overlap=maybe"], r"parallel.ep_overlap expects bool or NoneType, got 'maybe'"),
     ],
 )

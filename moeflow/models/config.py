@@ -366,3 +366,13 @@ class ModelConfig:
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def grouped_mm_alignment_error(dim: int, ffn_dim: int, element_size: int, dtype_name: str) -> str | None:
+    """Why model.moe.expert_impl = 'grouped_mm' cannot run these widths in this dtype, or None: torch's grouped
+    matmul wants rows of a multiple of 16 bytes ("strides should be multiple of 16 bytes")."""
+    if (dim * element_size) % 16 == 0 and (ffn_dim * element_size) % 16 == 0:
+        return None
+    return (f"model.moe.expert_impl = 'grouped_mm' needs rows of a multiple of 16 bytes: dim {dim} and ffn_dim "
+            f"{ffn_dim} in {dtype_name} are not; use expert_impl = 'auto' (it takes bmm there) or widths that are "
+            f"multiples of {16 // element_size}")

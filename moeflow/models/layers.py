@@ -20,11 +20,15 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     cast: torch._grouped_mm (not on a CPU in torch 2.13: the experts ran in fp32 under bf16 autocast; on a GPU an
     fp32 input would miss the bf16 grouped GEMM), and attention kernels reached without autocast (context
     parallelism's lower-right causal mask). Cast before a collective, it also halves the bytes moved."""
-    device_type = x.device.type
-    if x.is_floating_point() and torch.amp.is_autocast_available(device_type) and \
-            torch.is_autocast_enabled(device_type):
-        return x.to(torch.get_autocast_dtype(device_type))
+    if x.is_floating_point() and autocast_on(x):
+        return x.to(torch.get_autocast_dtype(x.device.type))
     return x
+
+
+def autocast_on(x: torch.Tensor) -> bool:
+    """Whether autocast is enabled for x's device type (False for types autocast does not know, e.g. meta)."""
+    device_type = x.device.type
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 class RMSNorm(nn.Module):

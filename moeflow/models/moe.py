@@ -11,6 +11,7 @@ No torch.distributed here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -18,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.models.config import ModelConfig, MoEConfig
-from moeflow.models.layers import autocast_input
+from moeflow.models.config import ModelConfig, MoEConfig, grouped_mm_alignment_error
+from moeflow.models.layers import autocast_input, autocast_on
 
 # The fastest grouped-matmul path measured by bench/moe_layer.py, per device type (see its README table).
 DEFAULT_EXPERT_IMPL = {"cpu": "grouped_mm", "cuda": "grouped_mm"}
@@ -230,11 +231,8 @@ class Router(nn.Module):
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T in float32, also under autocast (which would run it in bf16 whatever the operands' dtype)."""
-    device_type = x.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        with torch.autocast(device_type, enabled=False):
-            return F.linear(x.float(), weight.float())
-    return F.linear(x.float(), weight.float())
+    with torch.autocast(x.device.type, enabled=False) if autocast_on(x) else contextlib.nullcontext():
+        return F.linear(x.float(), weight.float())
 
 
 def count_keys(key_N: torch.Tensor, num_bins: int) -> torch.Tensor:
@@ -385,14 +383,10 @@ class GroupedExperts(nn.Module):
         self.column_major_weights = False
 
     def resolve_impl(self, x: torch.Tensor) -> str:
-        # grouped_mm needs 16-byte-aligned row strides ("strides should be multiple of 16 bytes")
-        misaligned = self.dim * x.element_size() % 16 or self.hidden * x.element_size() % 16
+        misaligned = grouped_mm_alignment_error(self.dim, self.hidden, x.element_size(), str(x.dtype))
         if self.impl != "auto":
             if self.impl == "grouped_mm" and misaligned:
-                raise ValueError(
-                    f"model.moe.expert_impl = 'grouped_mm' needs rows of a multiple of 16 bytes: dim {self.dim} and "
-                    f"ffn_dim {self.hidden} in {x.dtype} are not; use expert_impl = 'auto' (it takes bmm here) or "
-                    f"widths that are multiples of {16 // x.element_size()}")
+                raise ValueError(misaligned)
             return self.impl
         impl = DEFAULT_EXPERT_IMPL.get(x.device.type, "loop")
         # On CUDA torch's fast grouped GEMM is bf16 only (other dtypes take a per-group fallback after reading the
