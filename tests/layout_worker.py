@@ -42,32 +42,48 @@ def _run_case(_, case) -> None:
 
     name, argv, run_dir, resume = case
     cfg = load_config(None, {**parse_overrides(argv), "run_dir": run_dir})
-    with _OutputDtypes(Path(run_dir) / f"output_dtypes.rank{dist.get_rank()}.json"):
+    with _Dtypes(Path(run_dir) / f"dtypes.rank{dist.get_rank()}.json"):
         train(cfg, resume=resume, fresh=not resume, progress=False)
     dist.barrier()
 
 
-class _OutputDtypes:
-    """Counts the output dtypes of every nn.Linear and GroupedExperts call during the case and writes
-    {"Linear": {"torch.bfloat16": n, ...}, "GroupedExperts": {...}} to `path`: what ran in which precision
-    (a loss comparison cannot tell: bf16 and fp32 losses of these short runs differ less than the layouts' own
-    summation-order noise)."""
+class _Dtypes:
+    """What ran in which precision during the case (a loss comparison cannot tell: bf16 and fp32 losses of these
+    short runs differ less than the layouts' own summation-order noise). Writes to `path`, each a {dtype: count}:
+    "Linear" / "GroupedExperts": output dtypes of every call; "matmul weights": the weight dtype those modules
+    held when called (under FSDP, the dtype it gathered them in); "fp32 modules": the weights of every RMSNorm
+    and moeflow Router's gate when called; and "all-gathered bytes": the bytes each rank sent in FSDP2's
+    all-gathers, by dtype."""
 
     def __init__(self, path: Path):
-        self.path, self.counts = path, {"Linear": Counter(), "GroupedExperts": Counter()}
+        self.path = path
+        self.counts = {k: Counter() for k in ("Linear", "GroupedExperts", "matmul weights", "fp32 modules",
+                                              "all-gathered bytes")}
 
     def _hook(self, module, _inputs, output) -> None:
-        from moeflow.models.moe import GroupedExperts
+        from moeflow.models.layers import RMSNorm
+        from moeflow.models.moe import GroupedExperts, Router
 
         kind = "Linear" if isinstance(module, torch.nn.Linear) else (
             "GroupedExperts" if isinstance(module, GroupedExperts) else None)
         if kind is not None and isinstance(output, torch.Tensor):
             self.counts[kind][str(output.dtype)] += 1
+            weight = module.weight if kind == "Linear" else module.w1
+            self.counts["matmul weights"][str(weight.dtype)] += 1
+        if isinstance(module, (RMSNorm, Router)):
+            weight = module.weight if isinstance(module, RMSNorm) else module.gate.weight
+            self.counts["fp32 modules"][str(weight.dtype)] += 1
+
+    def _all_gather(self, output, input, *args, **kwargs):
+        self.counts["all-gathered bytes"][str(input.dtype)] += input.numel() * input.element_size()
+        return self.all_gather(output, input, *args, **kwargs)
 
     def __enter__(self):
         self.handle = torch.nn.modules.module.register_module_forward_hook(self._hook)
+        self.all_gather, dist.all_gather_single = dist.all_gather_single, self._all_gather  # FSDP2 calls it by name
         return self
 
     def __exit__(self, *exc) -> None:
         self.handle.remove()
+        dist.all_gather_single = self.all_gather
         self.path.write_text(json.dumps({k: dict(v) for k, v in self.counts.items()}))

@@ -2,39 +2,75 @@
 over them times tp, then every block, then each stage root.
 
 ZeRO-3 reshards parameters after forward; ZeRO-2 keeps them gathered until backward (`reshard_after_forward`).
+
+Under bf16 autocast the matmul weights (every nn.Linear but the router's gate, and the grouped experts) are
+gathered in bf16 (FSDP2's MixedPrecisionPolicy, gradients reduced in fp32), half the bytes of the fp32 master
+weights, and no fp32 copy is gathered only for autocast to cast it: autocast would round them to bf16 anyway, so
+the numerics are those of one process under autocast. The rest of each block and stage root (norms, the router's
+gate, the embedding) compute in fp32 and are gathered in fp32 with their module.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from moeflow.layout import ParallelDims
-from moeflow.models.moe import MoE
+from moeflow.models.moe import GroupedExperts, MoE, Router
 from moeflow.parallel.expert import DeferredSyncExperts, DeferredSyncSharedExperts, ExpertParallelDispatcher
 from moeflow.parallel.mesh import folded_moe_mesh, submesh
 
 
 def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: ParallelDims, mesh,
-               mixed_precision) -> None:
+               matmul_dtype: torch.dtype | None = None) -> None:
+    """matmul_dtype: autocast's dtype (the matmul weights are gathered in it, see the module doc), or None."""
     fsdp = {"reshard_after_forward": dims.zero == 3}
-    if mixed_precision is not None:
-        fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+    # Inputs are not cast: the residual stream stays fp32 between blocks, as under autocast alone.
+    matmul = fsdp if matmul_dtype is None else {**fsdp, "mp_policy": MixedPrecisionPolicy(
+        param_dtype=matmul_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)}
     # the data-parallel ranks and the context-parallel ones: both hold replicas of the dense weights
     dp_mesh = (submesh(mesh, "dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else
                submesh(mesh, "dp_shard_cp"))
+    place = balanced_shard(dp_mesh.size())
     for block in blocks.values():
         for moe in (m for m in block.modules() if isinstance(m, MoE)):
             if dims.fold_experts and moe.shared_experts is not None:
-                _shard_folded_shared_experts(moe, dims, mesh, fsdp)
+                _shard_folded_shared_experts(moe, dims, mesh, matmul)
             if isinstance(moe.dispatcher, ExpertParallelDispatcher):  # else sharded with their block
-                _shard_experts(moe, dims, mesh, fsdp)
-        fully_shard(block, mesh=dp_mesh, shard_placement_fn=balanced_shard(dp_mesh.size()), **fsdp)
+                _shard_experts(moe, dims, mesh, matmul)
+        _shard_matmul_weights(block, dp_mesh, place, matmul, matmul_dtype)
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=place, **fsdp)
     # Each stage root gathers its embedding / norm / head; the container of several stages is not run.
     for stage in stages:
-        fully_shard(stage, mesh=dp_mesh, shard_placement_fn=balanced_shard(dp_mesh.size()), **fsdp)
+        _shard_matmul_weights(stage, dp_mesh, place, matmul, matmul_dtype)
+        fully_shard(stage, mesh=dp_mesh, shard_placement_fn=place, **fsdp)
+
+
+def _shard_matmul_weights(root: nn.Module, mesh, place, matmul: dict, matmul_dtype) -> None:
+    """Under autocast, the matmul modules of `root` not yet sharded become one FSDP unit gathered in
+    `matmul_dtype` (module doc); a weight shared with another module (tied embeddings) stays with `root`."""
+    if matmul_dtype is None:
+        return
+    modules = list(_autocast_matmuls(root))
+    elsewhere = {id(p) for m in root.modules() if not any(m is c for c in modules)
+                 for p in m.parameters(recurse=False)}
+    ours = [m for m in modules if not any(id(p) in elsewhere for p in m.parameters())]
+    if ours:
+        fully_shard(ours, mesh=mesh, shard_placement_fn=place, **matmul)
+
+
+def _autocast_matmuls(module: nn.Module):
+    """The nn.Linear and GroupedExperts modules under `module` whose weights autocast casts to its dtype: not in
+    an FSDP unit already, and not a moeflow Router's gate (which computes in fp32: models.moe.fp32_linear)."""
+    for child in module.children():
+        if isinstance(child, (FSDPModule, Router)):
+            continue
+        if isinstance(child, (nn.Linear, GroupedExperts)):
+            yield child
+        else:
+            yield from _autocast_matmuls(child)
 
 
 def _shard_experts(moe: MoE, dims: ParallelDims, mesh, fsdp: dict) -> None:

@@ -49,7 +49,6 @@ def parallelize(
     pp_schedule: str = "1F1B",
     microbatches: int = 1,
     activation_checkpointing: str = "none",
-    mixed_precision: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
     ep_backend: str = "auto",
     ep_overlap: bool | None = None,
@@ -141,7 +140,7 @@ def parallelize(
     apply_fp8(model, fp8, device_type)
     apply_activation_checkpointing(blocks(model), activation_checkpointing)
     _compile_blocks(model, compile)
-    apply_fsdp(blocks(model), stages, dims, mesh, mixed_precision)
+    apply_fsdp(blocks(model), stages, dims, mesh, autocast_dtype)
     if dims.fold_experts:
         _record_folded_moe_params(model, state)
     state.runner = _build_runner(model, stages, mesh, dims, microbatches, loss_fn, autocast, device_type,
