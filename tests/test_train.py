@@ -132,6 +132,38 @@ def test_more_processes_than_cores_warns_and_launches_torchrun(monkeypatch, caps
     assert f"--nproc-per-node={nproc}" in args and args[-4:] == ["train", *job]
 
 
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_each_process_needs_a_gpu_of_its_own(gpus, monkeypatch, capsys):
+    """training.device with 2 local processes and 0/1/2 GPUs (torch.cuda patched): 'cuda' without a GPU per
+    process is one line before launch; 'auto' takes CUDA only with one per process, and says so when it cannot."""
+    import torch
+    import torch.distributed.run
+
+    from moeflow import cli
+    from moeflow.train.distributed import choose_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert choose_device("cpu", 2) == "cpu"
+    assert choose_device("auto", 1) == ("cuda" if gpus else "cpu")
+    assert choose_device("auto", 2) == ("cuda" if gpus >= 2 else "cpu")
+    launched = []
+    monkeypatch.setattr(torch.distributed.run, "main", lambda args: launched.append(args))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    job = ["train", "--nproc-per-node", "2", "--training.steps=1"]
+    assert cli.main([*job, "--training.device=cuda"]) == (0 if gpus >= 2 else 2)
+    err = capsys.readouterr().err
+    if gpus == 0:
+        assert "training.device = 'cuda' but CUDA is not available" in err
+    elif gpus == 1:
+        assert "training.device = 'cuda' with 2 processes on this machine, which has 1 GPU" in err
+        assert "--nproc-per-node 1" in err and "Traceback" not in err
+    assert len(launched) == (1 if gpus >= 2 else 0)
+    assert cli.main([*job, "--training.device=auto"]) == 0
+    said = "2 processes but 1 GPU here, so training runs on the CPU" in capsys.readouterr().err
+    assert said == (gpus == 1)
+
+
 def test_print_config_and_help(tiny_args):
     out = run_cli(["train", *tiny_args, "--print-config"])
     assert out.returncode == 0 and 'name = "tiny-moe"' in out.stdout and "[model.moe]" in out.stdout

@@ -22,13 +22,29 @@ class DistInfo:
         return self.rank == 0
 
 
+def choose_device(pref: str, local_ranks: int) -> str:
+    """'cuda' or 'cpu' for training.device = `pref` with `local_ranks` processes on this machine. Each rank needs
+    a GPU of its own (NCCL refuses two ranks on one), so 'auto' takes CUDA only when there are enough GPUs and
+    'cuda' without them is an error here, before any process group exists."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if pref == "cpu":
+        return "cpu"
+    if pref == "cuda":
+        if gpus == 0:
+            raise ValueError("training.device = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")
+        if gpus < local_ranks:
+            raise ValueError(f"training.device = 'cuda' with {local_ranks} processes on this machine, which has "
+                             f"{gpus} GPU{'s' if gpus > 1 else ''}: each process needs its own; use "
+                             f"--nproc-per-node {gpus}, or training.device = 'cpu'")
+        return "cuda"
+    return "cuda" if 0 < gpus and local_ranks <= gpus else "cpu"
+
+
 def init_distributed(device_pref: str = "auto", timeout_s: float = 300) -> DistInfo:
     """Join torchrun's process group when WORLD_SIZE > 1 (gloo on CPU, NCCL on CUDA)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
-    if use_cuda and not torch.cuda.is_available():
-        raise ValueError("training.device = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")
+    use_cuda = choose_device(device_pref, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) == "cuda"
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
