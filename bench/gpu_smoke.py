@@ -7,6 +7,8 @@
     PASS ep_world1[...]: ... moeflow.ep at world size 1 on NCCL through every backend (alltoall, hierarchical,
                              allgather, static sizes), async, outputs vs the single-process oracle
     PASS ep_no_host_sync: .. the EP MoE layer with static sizes under torch.cuda.set_sync_debug_mode("error")
+    PASS fsdp_bf16_world1:   FSDP2 on a one-rank NCCL mesh under bf16: matmul weights gathered in bf16, loss and
+                             gradients as the unsharded model's under autocast
     PASS train_bf16: ...     20 steps of a small MoE model in bf16 on CUDA: loss falls, tokens/s, MFU
     PASS hf_parity: ...      a tiny transformers Qwen3-MoE and its moeflow copy: logits on the GPU
     PASS masked_gqa_attention: packed documents under GQA: attend() equals enable_gqa, and on CUDA no fp32 scores
@@ -219,6 +221,54 @@ def _sync_debug():
         torch.cuda.set_sync_debug_mode(0)
 
 
+@check("fsdp_bf16_world1")
+def fsdp_bf16_world1(device, T=256):
+    """FSDP2 on a one-rank NCCL mesh under bf16 autocast (moeflow.parallel.fsdp): the matmul weights gathered in
+    bf16, norms and router gates in fp32, loss and gradients as the unsharded model's under autocast."""
+    from moeflow.layout import ParallelDims
+    from moeflow.models.layers import RMSNorm
+    from moeflow.models.moe import GroupedExperts, Router
+    from moeflow.models.presets import get_preset
+    from moeflow.models.transformer import Transformer
+    from moeflow.parallel.fsdp import apply_fsdp
+    from moeflow.parallel.mesh import build_mesh
+    from moeflow.parallel.parallelize import blocks
+
+    _init_world1(device)
+    model = Transformer(get_preset("tiny-moe"))
+    model.init_weights(seed=0)
+    model.to(device)
+    ref = copy.deepcopy(model)
+    dims = ParallelDims(1)
+    apply_fsdp(blocks(model), [model], dims, build_mesh(dims, device.type), torch.bfloat16)
+    seen = {}
+
+    def record(module, _inputs, _output):
+        bf16_kind = isinstance(module, (torch.nn.Linear, GroupedExperts))
+        weight = module.w1 if isinstance(module, GroupedExperts) else (
+            module.gate.weight if isinstance(module, Router) else getattr(module, "weight", None))
+        if bf16_kind or isinstance(module, (RMSNorm, Router)):
+            seen.setdefault("matmul" if bf16_kind else "fp32", set()).add(weight.dtype)
+
+    tokens = torch.randint(0, 256, (2, T // 2), device=device)
+    losses = []
+    for net in (ref, model):
+        hook = torch.nn.modules.module.register_module_forward_hook(record) if net is model else None
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(net(tokens).float().flatten(0, 1), tokens.flatten())
+        loss.backward()
+        losses.append(float(loss.detach()))
+        if hook:
+            hook.remove()
+    assert seen == {"matmul": {torch.bfloat16}, "fp32": {torch.float32}}, seen
+    grads = [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad, q.grad)
+             for p, q in zip(model.parameters(), ref.parameters())]
+    rel = max(float((a - b).norm() / b.norm().clamp(min=1e-12)) for a, b in grads)
+    assert abs(losses[1] - losses[0]) < 1e-3 * abs(losses[0]) and rel < 2e-2, (losses, rel)
+    return (f"matmul weights gathered in bf16, norms and routers fp32; loss {losses[1]:.5f} vs unsharded "
+            f"{losses[0]:.5f}, largest gradient difference {rel:.1e} (relative)")
+
+
 @check("train_bf16")
 def train_bf16(python: str, device):
     with tempfile.TemporaryDirectory() as run_dir:
@@ -330,6 +380,7 @@ def main() -> int:
     moe_block(device)
     ep_world1(device)
     ep_no_host_sync(device)
+    fsdp_bf16_world1(device)
     train_bf16(python, device)
     hf_parity(device)
     masked_gqa_attention(device)
