@@ -412,3 +412,29 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     assert "moeflow convert: error: Hugging Face folder" in capsys.readouterr().err
     assert cli_main(["convert", "moeflow-to-hf", str(tmp_path), str(tmp_path / "hf")]) == 2
     assert "is not a complete moeflow checkpoint: COMPLETE.json is missing" in capsys.readouterr().err
+
+
+def test_an_empty_low_precision_model_is_never_allocated_in_fp32(monkeypatch):
+    """build_empty (generate / eval --dtype bf16) casts on the meta device: the parameters are allocated in bf16 (a
+    GPU may hold the bf16 model and not the fp32 one), the RoPE tables and router biases in fp32, the tables equal
+    a normally built model's."""
+    from moeflow.models.hf import build_empty
+    from moeflow.models.transformer import Transformer
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                      moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=16))
+    allocated = []
+    to_empty = torch.nn.Module.to_empty
+
+    def record(module, **kwargs):
+        allocated.extend(p.dtype for p in module.parameters())
+        return to_empty(module, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", record)
+    model = build_empty(cfg, torch.bfloat16)
+    assert set(allocated) == {torch.bfloat16}
+    want = dict(Transformer(cfg).named_buffers())
+    for name, buf in model.named_buffers():
+        assert buf.dtype == torch.float32, name
+        if name.startswith("rope_"):
+            assert torch.equal(buf, want[name]), name

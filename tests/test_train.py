@@ -249,3 +249,21 @@ def test_expert_parallel_run_matches_one_process_and_resumes(tiny_args, tmp_path
     assert sorted(b) == [1, 2, 3, 4, 5, 6]
     for step in (5, 6):
         assert b[step] == pytest.approx(a[step], rel=1e-5)
+
+
+def test_a_checkpoint_keeps_this_ranks_gpu_rng_state_only(monkeypatch):
+    """Each rank saves and restores its own GPU's generator (torch.cuda patched: one state here), not a list over
+    every visible GPU, which fails to restore where fewer are visible."""
+    import torch
+
+    from moeflow.train.checkpoint import restore_rng, rng_state
+
+    state = torch.arange(16, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": state.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append(s))
+    saved = rng_state()
+    assert torch.equal(saved["cuda"], state)
+    restore_rng(saved)
+    assert len(restored) == 1 and torch.equal(restored[0], state)

@@ -131,12 +131,12 @@ def build_empty(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cp
     """A Transformer with allocated but unset parameters (no time spent on a random init that is overwritten)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    model.to_empty(device=device)
-    if dtype != torch.float32:
+    if dtype != torch.float32:  # on the meta device, so the fp32 model is never allocated (a GPU may fit only bf16)
         model.to(dtype)
         for module in model.modules():  # RoPE tables and router biases stay fp32, as Transformer makes them
             for name, buf in module.named_buffers(recurse=False):
                 setattr(module, name, buf.float())
+    model.to_empty(device=device)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.reset_rope()
@@ -194,7 +194,7 @@ def _check_copies(rules: list[Rule], present: dict, state: dict) -> None:
         file = present[r.hf][0]
         with safe_open(str(file), framework="pt", device="cpu") as f:
             copy = f.get_tensor(r.hf)
-        if not torch.equal(copy.to(state[r.mf].dtype), state[r.mf]):
+        if not torch.equal(copy.to(device=state[r.mf].device, dtype=state[r.mf].dtype), state[r.mf]):
             raise ValueError(
                 f"{r.hf} in {file.name} differs from the tensor it copies ({r.mf} in moeflow); moeflow shares the "
                 f"embedding and output head between the main model and the MTP layers, as DeepSeek-V3 does: "

@@ -199,10 +199,7 @@ class CheckpointManager:
         self._agree(step, tmp, error)
         try:  # this rank's own files first: a failure here is agreed on before any rank enters DCP's collectives
             flat = state.gather([model], optimizer)
-            # RNG state differs per rank, so each rank keeps its own small file.
-            torch.save({"cpu": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                       tmp / f"rng-rank{self.rank}.pt")
+            torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")  # differs per rank: a small file each
             if self.rank == 0:
                 (tmp / "extra.json").write_text(json.dumps({**extra, "format": FORMAT}, indent=1))
         except OSError as e:
@@ -294,13 +291,21 @@ class CheckpointManager:
                    fix="was it saved from another model? Start a new --run-dir or pass --fresh")
         rng_file = path / f"rng-rank{self.rank}.pt"
         if rng_file.is_file():  # absent when resuming with more ranks than were saved
-            rng = torch.load(rng_file, weights_only=False)
-            torch.set_rng_state(rng["cpu"])
-            if rng["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
+            restore_rng(torch.load(rng_file, weights_only=False))
         return extra
 
     def find_resume(self) -> Path | None:
         """The newest complete checkpoint, agreed on by every rank (rank 0 decides)."""
         found = self.complete_checkpoints() if self.rank == 0 else []
         return broadcast_object(found[0][1] if found else None)
+
+
+def rng_state() -> dict:
+    """The CPU generator's state and that of this rank's GPU only: a resume may see fewer GPUs, or others."""
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def restore_rng(rng: dict) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if isinstance(rng["cuda"], torch.Tensor) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
