@@ -288,3 +288,19 @@ def test_fault_settings_are_checked_and_spelled_both_ways():
                        ("--training.step_timeout_s=-1", "training.step_timeout_s = -1.0")]:
         with pytest.raises(ValueError, match=re.escape(named)):
             load_config(None, parse_overrides([bad]))
+
+
+def test_a_rank_nccl_aborted_is_not_named_as_the_cause(tmp_path, capsys):
+    """NCCL's watchdog ends a rank whose collective timed out or lost its peer with SIGABRT: the launcher names the
+    rank that failed by itself (here one that crashed), as it does for a rank that lost its peer under gloo."""
+    import signal
+    from types import SimpleNamespace
+
+    from moeflow.train.launch import _report_failure
+
+    failures = {0: SimpleNamespace(exitcode=-signal.SIGABRT, pid=100), 1: SimpleNamespace(exitcode=1, pid=101)}
+    assert _report_failure(failures, str(tmp_path), max_restarts=0) == 1
+    line = capsys.readouterr().err
+    assert "rank 1 (pid 101) exited with code 1" in line, line
+    _report_failure({0: failures[0]}, str(tmp_path), max_restarts=0)
+    assert "rank 0 (pid 100) was aborted (SIGABRT: NCCL" in capsys.readouterr().err

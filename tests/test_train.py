@@ -267,3 +267,42 @@ def test_a_checkpoint_keeps_this_ranks_gpu_rng_state_only(monkeypatch):
     assert torch.equal(saved["cuda"], state)
     restore_rng(saved)
     assert len(restored) == 1 and torch.equal(restored[0], state)
+
+
+def test_checkpoint_experts_pass_through_host_memory():
+    """Experts are saved and loaded one expert per key (layout-independent), unsharded: those tensors live on the
+    host, not beside training's state on the device (shown with the model on the meta device)."""
+    import torch
+
+    from moeflow.models.config import ModelConfig, MoEConfig
+    from moeflow.models.transformer import Transformer
+    from moeflow.train.state import placeholders
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32,
+                                        moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=16)))
+    flat = placeholders([model], torch.optim.AdamW(model.parameters()), set())
+    experts = {k: v.device.type for k, v in flat.items() if ".experts.w" in k}
+    assert len(experts) == 3 * 4 and set(experts.values()) == {"cpu"}, experts
+    assert {v.device.type for k, v in flat.items() if k not in experts} == {"meta"}
+
+
+@pytest.mark.parametrize("name,memory_gb,tflops", [
+    ("NVIDIA H100 80GB HBM3", 79.6, 989), ("NVIDIA H200", 139.8, 989), ("NVIDIA A100-SXM4-80GB", 79.2, 312),
+    ("NVIDIA A100-SXM4-40GB", 39.4, 312), ("NVIDIA A100 80GB PCIe", 79.2, 312), ("NVIDIA H100 PCIe", 79.6, None),
+    ("NVIDIA H100 NVL", 93.6, None),
+    ("NVIDIA GeForce RTX 4090", 23.6, None)])
+def test_mfu_peak_comes_from_the_datasheet_or_is_unknown(name, memory_gb, tflops, monkeypatch):
+    """The bf16 peak MFU divides by, from the device's name and memory (torch.cuda patched); boards whose peak
+    the table does not list (Hopper PCIe / NVL: 756 / 835 TFLOPS on NVIDIA's sheets) are unknown, not the SXM's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moeflow.train.metrics import peak_flops_per_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=memory_gb * 2**30))
+    peak = peak_flops_per_device(torch.device("cuda", 0), "bf16")
+    assert peak == (tflops * 1e12 if tflops else None)

@@ -86,6 +86,8 @@ def _cause(failure) -> tuple[int, str, int]:
     by a signal other than the agent's SIGTERM, a hang, a disk error, a crash; a rank that only lost its peer
     last."""
     code = failure.exitcode
+    if code == -signal.SIGABRT:  # NCCL's watchdog aborts a rank whose collective timed out or lost a peer
+        return 5, "was aborted (SIGABRT: NCCL does this to a rank whose collective timed out or lost a peer)", 1
     if code < 0:
         name = signal.Signals(-code).name
         return (0 if -code != signal.SIGTERM else 4), f"was killed by {name}", 1

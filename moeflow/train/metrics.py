@@ -21,6 +21,8 @@ def peak_flops_per_device(device: torch.device, dtype: str) -> float | None:
     memory_gb = torch.cuda.get_device_properties(device).total_memory / 2**30
     for gpu in GPUS.values():
         family = gpu.name.split("-")[0].upper()
+        if family in name and family.startswith("H") and ("PCIE" in name or "NVL" in name):
+            return None  # Hopper's PCIe / NVL boards peak below the SXM part the table lists (H100 PCIe: 756)
         if family in name and (not gpu.name.endswith("GB") or abs(gpu.memory_gb - memory_gb) < 8):
             # bf16 tensor-core peak, for fp32 training too (its matmuls run at TF32 only where the user has set
             # torch.backends.cuda.matmul.allow_tf32; either way below the bf16 peak).

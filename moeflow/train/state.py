@@ -74,9 +74,9 @@ def gather(parts: list[nn.Module], optimizer) -> dict[str, torch.Tensor]:
         if ids is None:
             flat[key] = value
             return
-        full = _full(value)
+        full = _full(value)  # one layer's experts, unsharded: copied to the host, not kept on the GPU
         for i, expert in enumerate(ids):
-            flat[f"{key}.{expert}"] = full[i].clone()
+            flat[f"{key}.{expert}"] = full[i].to("cpu", copy=True)
 
     for part in parts:
         for fqn, value in part.state_dict().items():
@@ -102,8 +102,8 @@ def placeholders(parts: list[nn.Module], optimizer, saved_keys: set[str]) -> dic
         if ids is None:
             flat[key] = torch.empty_like(like)
             return
-        for expert in ids:
-            flat[f"{key}.{expert}"] = torch.empty(like.shape[1:], dtype=like.dtype, device=_device(like))
+        for expert in ids:  # on the host: every layer's unsharded experts would not fit beside training's state
+            flat[f"{key}.{expert}"] = torch.empty(like.shape[1:], dtype=like.dtype, device="cpu")
 
     for part in parts:
         for fqn, value in part.state_dict().items():
@@ -124,10 +124,6 @@ def _state_keys(keys, prefix: str) -> list[str]:
     return sorted({k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)})
 
 
-def _device(t: torch.Tensor) -> torch.device:
-    return t.to_local().device if isinstance(t, DTensor) else t.device
-
-
 def apply(parts: list[nn.Module], optimizer, flat: dict[str, torch.Tensor]) -> None:
     """Copy a loaded flat state into the model parts and the optimizer."""
     experts = expert_slices(parts)
@@ -139,7 +135,7 @@ def apply(parts: list[nn.Module], optimizer, flat: dict[str, torch.Tensor]) -> N
         full = torch.stack([flat[f"{key}.{expert}"] for expert in ids])
         if isinstance(like, DTensor):  # local chunking only: every rank in the group loaded the same
             return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-        return full
+        return full.to(like.device)
 
     for part in parts:
         sd = {fqn: take(f"model.{fqn}", fqn, v) for fqn, v in part.state_dict().items()}
