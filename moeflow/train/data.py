@@ -275,7 +275,11 @@ class Batch:
                 if v is not None}
 
     def to(self, device) -> Batch:
-        return replace(self, **{k: getattr(self, k).to(device) for k in ("inputs", "targets", *self.model_kwargs())})
+        # To a GPU from pinned memory, asynchronously: a copy from pageable memory waits for the GPU's queued work
+        # (the previous step's optimizer), so the host could not prepare this step meanwhile.
+        cuda = torch.device(device).type == "cuda"
+        move = (lambda t: t.pin_memory().to(device, non_blocking=True)) if cuda else (lambda t: t.to(device))
+        return replace(self, **{k: move(getattr(self, k)) for k in ("inputs", "targets", *self.model_kwargs())})
 
     def map(self, fn) -> Batch:
         """`fn` applied to every [B, S] tensor (e.g. ParallelState.local_sequence: a rank's part of each row)."""

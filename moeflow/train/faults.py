@@ -200,8 +200,9 @@ class _Watchdog:
 
 
 class StepGuard:
-    """Per-rank fault handling around each step: `begin(step)` before the step, `end(step)` after it (one small
-    collective: every rank's stop flag and busy time), `log_record()` on logging steps."""
+    """Per-rank fault handling around each step: `begin(step)` before the step, `row()` inside it (this rank's
+    stop flag and busy time, which the step's one all-reduce gathers), `end(step, rows)` after it, `log_record()`
+    on logging steps."""
 
     def __init__(self, cfg, info):
         self.info, self.factor = info, cfg.metrics.straggler_factor
@@ -230,20 +231,19 @@ class StepGuard:
         self._t0 = self._busy_clock()
         _inject(self.faults, "step", step)
 
-    def end(self, step: int) -> bool:
-        """True when every rank is to stop after this step (any rank received a stop signal)."""
-        busy = self._busy_clock() - self._t0
-        rows_R2 = torch.zeros(self.info.world_size, 2, dtype=torch.float64, device=self.info.device)
-        rows_R2[self.info.rank, 0] = float(self.signals.received or 0)
-        rows_R2[self.info.rank, 1] = busy
-        if dist.is_initialized():
-            dist.all_reduce(rows_R2)  # every rank fills its own row: an all-gather of two numbers
-        rows_R2 = rows_R2.cpu()
+    def row(self) -> tuple[float, float]:
+        """This rank's stop flag (the signal number, or 0) and busy time so far in the step, for the step's one
+        all-reduce (moeflow.train.step.train_step's rank_row): no collective or host sync of its own."""
+        return float(self.signals.received or 0), self._busy_clock() - self._t0
+
+    def end(self, step: int, rows: list[list[float]]) -> bool:
+        """True when every rank is to stop after this step (any rank received a stop signal); `rows`: every
+        rank's row() as the step gathered them."""
         if self.watchdog is not None:
             self.watchdog.disarm()
-        self._busy_sum_R += rows_R2[:, 1]
+        self._busy_sum_R += torch.tensor([busy for _, busy in rows], dtype=torch.float64)
         self._steps += 1
-        signals = [int(s) for s in rows_R2[:, 0].tolist() if s]
+        signals = [int(s) for s, _ in rows if s]
         if signals and not self.stop_signal:
             self.stop_signal = signal.Signals(signals[0]).name
         return bool(signals)

@@ -94,8 +94,9 @@ def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, pr
     for step in range(start + 1, stop + 1):
         is_last = step == stop
         guard.begin(step)
-        out = train_step(cfg, s, with_moe_stats=_due(cfg.metrics.log_every, step, is_last), measure=is_last)
-        stopping = guard.end(step) and not is_last
+        out = train_step(cfg, s, with_moe_stats=_due(cfg.metrics.log_every, step, is_last), measure=is_last,
+                         rank_row=guard.row)
+        stopping = guard.end(step, out["rank_rows"]) and not is_last
         ckpt.poll()
         steps_window += 1
         loop["first_loss"] = out["loss"] if loop["first_loss"] is None else loop["first_loss"]
