@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default="", help="where the tokenized data are kept (default: RUN_DIR/data-cache, "
                    "or a temporary folder for --hf-path)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (CUDA when present)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -91,16 +92,16 @@ def eval_batches(job, batch_size: int, max_batches: int):
 
 
 def main(argv: list[str]) -> int:
-    import torch
 
     from moeflow.config import JobConfig
     from moeflow.generate import load_model
+    from moeflow.train.distributed import choose_device
 
     args = _parser().parse_args(argv)
     if args.batch_size < 1 or args.max_batches < 0 or args.seq_len < 0:
         raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size}), --max-batches and --seq-len "
                          f"0 or more (got {args.max_batches}, {args.seq_len}); 0 means all batches / the run's length")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = choose_device(args.device, 1, "--device")
     model, cfg, folder, _ = load_model(args.run_dir, args.hf_path, args.dtype, device)
     job = JobConfig(model=cfg)
     if args.run_dir and (Path(args.run_dir) / "config.toml").is_file():

@@ -219,20 +219,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (no KV cache)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (CUDA when present)")
     p.add_argument("--ids", action="store_true", help="also print the generated token ids (one JSON line)")
     return p
 
 
 def main(argv: list[str]) -> int:
-    import torch
+    from moeflow.train.distributed import choose_device
 
     args = _parser().parse_args(argv)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens = {args.max_new_tokens}; give at least 1")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p = {args.top_p}; give a probability mass in (0, 1]")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = choose_device(args.device, 1, "--device")
     model, _, folder, eos = load_model(args.run_dir, args.hf_path, args.dtype, device)
     codec = TextCodec(folder)
     prompt = codec.chat(args.chat, args.system) if args.chat is not None else codec.encode(args.prompt)

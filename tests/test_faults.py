@@ -304,3 +304,20 @@ def test_a_rank_nccl_aborted_is_not_named_as_the_cause(tmp_path, capsys):
     assert "rank 1 (pid 101) exited with code 1" in line, line
     _report_failure({0: failures[0]}, str(tmp_path), max_restarts=0)
     assert "rank 0 (pid 100) was aborted (SIGABRT: NCCL" in capsys.readouterr().err
+
+
+def test_a_rank_reading_a_collective_back_counts_as_waiting_in_it(monkeypatch):
+    """On NCCL the host waits for a collective only where it reads the result (dist.all_reduce just queues it): a
+    hang report taken there says the rank waits in a collective, not that it is the one the others wait for."""
+    import sys
+
+    import torch
+
+    from moeflow.train.distributed import read_after_collective
+    from moeflow.train.faults import _waiting_in
+
+    seen = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: seen.append(_waiting_in(sys._getframe(1))))
+    read_after_collective(torch.zeros(2))
+    assert seen[0].startswith("waiting in the collective read_after_collective (moeflow/train/distributed.py:"), seen
+    assert _waiting_in(sys._getframe()).startswith("not in a collective")

@@ -125,6 +125,14 @@ def test_cli_generate_and_eval(saved, tmp_path, capsys):
         want = F.cross_entropy(hf(windows[:, :-1]).logits.flatten(0, 1), windows[:, 1:].flatten())
     assert result["loss"] == pytest.approx(float(want), rel=1e-5)
     assert result["trained_tokens"] == windows[:, 1:].numel() and result["tokens_per_s"] > 0
+    cpu = _cli("eval", "--hf-path", folder, "--data", text, "--seq-len", 16, "--batch-size", 3, "--json",
+               "--device", "cpu")  # the CPU also on a machine with a GPU
+    assert cpu.returncode == 0, cpu.stderr
+    assert json.loads(cpu.stdout)["loss"] == pytest.approx(result["loss"], rel=1e-5)
+    if not torch.cuda.is_available():
+        for command in (["eval", "--hf-path", folder, "--data", text], ["generate", "--hf-path", folder]):
+            out = _cli(*command, "--device", "cuda")
+            assert out.returncode == 2 and "--device = 'cuda' but CUDA is not available" in out.stderr, out.stderr
 
 
 def test_tokenizer_folder_finds_what_training_found_beside_the_data(tmp_path):

@@ -22,7 +22,7 @@ class DistInfo:
         return self.rank == 0
 
 
-def choose_device(pref: str, local_ranks: int) -> str:
+def choose_device(pref: str, local_ranks: int, setting: str = "training.device") -> str:
     """'cuda' or 'cpu' for training.device = `pref` with `local_ranks` processes on this machine. Each rank needs
     a GPU of its own (NCCL refuses two ranks on one), so 'auto' takes CUDA only when there are enough GPUs and
     'cuda' without them is an error here, before any process group exists."""
@@ -31,9 +31,9 @@ def choose_device(pref: str, local_ranks: int) -> str:
         return "cpu"
     if pref == "cuda":
         if gpus == 0:
-            raise ValueError("training.device = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")
+            raise ValueError(f"{setting} = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")
         if gpus < local_ranks:
-            raise ValueError(f"training.device = 'cuda' with {local_ranks} processes on this machine, which has "
+            raise ValueError(f"{setting} = 'cuda' with {local_ranks} processes on this machine, which has "
                              f"{gpus} GPU{'s' if gpus > 1 else ''}: each process needs its own; use "
                              f"--nproc-per-node {gpus}, or training.device = 'cpu'")
         return "cuda"
@@ -64,6 +64,12 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t)
     return t
+
+
+def read_after_collective(t: torch.Tensor) -> list:
+    """`t` (the result of a collective) on the host. On NCCL the host waits for the collective here (dist.all_reduce
+    only queues it), so a hang report names this frame as the collective the rank waits in (moeflow.train.faults)."""
+    return t.tolist()
 
 
 def broadcast_object(obj, src: int = 0):

@@ -124,19 +124,26 @@ class _StopSignals:
 
 
 def _waiting_in(frame) -> str:
-    """Where the main thread is: the innermost torch.distributed frame (the collective it waits in) and the
-    innermost moeflow frame that led there."""
+    """Where the main thread is: the innermost torch.distributed frame or read_after_collective (the collective it
+    waits in: on NCCL the host waits only where it reads a result back) and the innermost moeflow frame that led
+    there."""
     collective = caller = None
     while frame is not None:
         path = frame.f_code.co_filename.replace(os.sep, "/")
-        if collective is None and "/torch/distributed/" in path:
-            collective = f"{frame.f_code.co_name} (torch/{path.split('/torch/')[-1]}:{frame.f_lineno})"
+        if collective is None and ("/torch/distributed/" in path or frame.f_code.co_name == "read_after_collective"):
+            collective = f"{frame.f_code.co_name} ({_package_path(path)}:{frame.f_lineno})"
         if caller is None and "/moeflow/" in path:
-            caller = f"{frame.f_code.co_name} (moeflow/{path.split('/moeflow/')[-1]}:{frame.f_lineno})"
+            caller = f"{frame.f_code.co_name} ({_package_path(path)}:{frame.f_lineno})"
         frame = frame.f_back
     if collective:
         return f"waiting in the collective {collective}, called from {caller}"
     return f"not in a collective; in {caller or 'code outside moeflow'}"
+
+
+def _package_path(path: str) -> str:
+    """torch/... or moeflow/...: a frame's file from its package on."""
+    package = "torch" if "/torch/" in path else "moeflow"
+    return f"{package}/{path.split(f'/{package}/')[-1]}"
 
 
 class _Watchdog:
@@ -241,7 +248,7 @@ class StepGuard:
         rank's row() as the step gathered them."""
         if self.watchdog is not None:
             self.watchdog.disarm()
-        self._busy_sum_R += torch.tensor([busy for _, busy in rows], dtype=torch.float64)
+        self._busy_sum_R += torch.tensor([busy for _, busy in rows], dtype=torch.float64, device="cpu")
         self._steps += 1
         signals = [int(s) for s, _ in rows if s]
         if signals and not self.stop_signal:

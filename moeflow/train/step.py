@@ -12,7 +12,7 @@ from moeflow.parallel.grads import clip_grad_norm_
 from moeflow.parallel.runner import router_layers
 from moeflow.train.build import Setup
 from moeflow.train.data import IGNORE_INDEX
-from moeflow.train.distributed import all_reduce_sum
+from moeflow.train.distributed import all_reduce_sum, read_after_collective
 
 
 class NonFiniteLossError(RuntimeError):
@@ -83,7 +83,7 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     # Every rank holds the loss, and with the MoE replicated over tp every tp rank routes all of its dp rank's
     # tokens: divide the copies out.
     tp = par.dims.moe_token_copies
-    numbers = packed.tolist()
+    numbers = read_after_collective(packed)
     loss_value = numbers[0] / s.info.world_size
     gn = numbers.pop() / s.info.world_size
     rows = numbers[len(numbers) - rows_R2.numel():]
