@@ -130,7 +130,8 @@ def test_cli_generate_and_eval(saved, tmp_path, capsys):
     assert cpu.returncode == 0, cpu.stderr
     assert json.loads(cpu.stdout)["loss"] == pytest.approx(result["loss"], rel=1e-5)
     if not torch.cuda.is_available():
-        for command in (["eval", "--hf-path", folder, "--data", text], ["generate", "--hf-path", folder]):
+        for command in (["eval", "--hf-path", folder, "--data", text],
+                        ["generate", "--hf-path", folder, "--prompt", "a"]):
             out = _cli(*command, "--device", "cuda")
             assert out.returncode == 2 and "--device = 'cuda' but CUDA is not available" in out.stderr, out.stderr
 

@@ -31,6 +31,7 @@ def test_loss_falls_and_outputs_are_written(tiny_args, tmp_path):
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("step", "loss", "lr", "tokens_per_s", "grad_norm", "val_loss", "peak_memory_mb", "moe"):
         assert key in record
+    assert record["peak_memory_rank"] == 0 and record["peak_memory_mb"] > 10  # this process's peak RSS, in MiB
     assert record["mfu"] == "unknown"  # a CPU has no entry in the peak-FLOPs table: never a guess
     layer = record["moe"]["1"]
     assert sum(layer["tokens_per_expert"]) == 4 * 16 * 2  # global batch x seq x top-k, nothing dropped
@@ -113,6 +114,8 @@ def test_two_processes_train_and_match_one(tiny_args, tmp_path):
     assert a.keys() == b.keys()
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5)
+    record = json.loads((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["peak_memory_rank"] in (0, 1) and record["peak_memory_mb"] > 10  # the larger rank's
 
 
 def test_more_processes_than_cores_warns_and_launches_torchrun(monkeypatch, capsys):

@@ -245,12 +245,12 @@ class StepGuard:
 
     def end(self, step: int, rows: list[list[float]]) -> bool:
         """True when every rank is to stop after this step (any rank received a stop signal); `rows`: every
-        rank's row() as the step gathered them."""
+        rank's row() as the step gathered them (further columns are ignored)."""
         if self.watchdog is not None:
             self.watchdog.disarm()
-        self._busy_sum_R += torch.tensor([busy for _, busy in rows], dtype=torch.float64, device="cpu")
+        self._busy_sum_R += torch.tensor([row[1] for row in rows], dtype=torch.float64, device="cpu")
         self._steps += 1
-        signals = [int(s) for s, _ in rows if s]
+        signals = [int(row[0]) for row in rows if row[0]]
         if signals and not self.stop_signal:
             self.stop_signal = signal.Signals(signals[0]).name
         return bool(signals)

@@ -31,9 +31,10 @@ def peak_flops_per_device(device: torch.device, dtype: str) -> float | None:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated CUDA memory, or this process's peak resident set size on the CPU."""
+    """The CUDA memory the caching allocator held at its peak (what an out-of-memory error compares with, beyond the
+    tensors allocated), or this process's peak resident set size on the CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return torch.cuda.max_memory_reserved(device) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
 

@@ -50,8 +50,8 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     """One optimizer step. Returns plain numbers (after one all-reduce of loss and expert load); the
     per-layer expert statistics only when `with_moe_stats`, since they copy every layer to the host;
     the gradient bytes this rank held only when `measure` (the last step, for the summary).
-    rank_row: a function returning two numbers of this rank (StepGuard.row: its stop flag and busy time), called
-    after backward; every rank's pair rides in the same all-reduce and comes back as out["rank_rows"]."""
+    rank_row: a function returning a few numbers of this rank (its stop flag, busy time, peak memory), called after
+    backward; every rank's row rides in the same all-reduce and comes back as out["rank_rows"]."""
     model, par = s.model, s.par
     model.train()
     batch = s.sampler.next_batch().map(par.local_sequence).to(s.info.device)
@@ -71,23 +71,24 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
         dropped[row_of[layer]] += drop
     clip = cfg.training.grad_clip if cfg.training.grad_clip > 0 else float("inf")
     grad_norm = clip_grad_norm_(model, clip, par)
-    rows_R2 = loss.new_zeros(s.info.world_size if rank_row else 0, 2)  # each rank fills its own row: a gather
-    if rank_row:
-        rows_R2[s.info.rank, 0], rows_R2[s.info.rank, 1] = rank_row()
+    mine = rank_row() if rank_row else ()
+    rows_RC = loss.new_zeros(s.info.world_size if mine else 0, len(mine))  # each rank fills its own row: a gather
+    for column, value in enumerate(mine):
+        rows_RC[s.info.rank, column] = value
     # One all-reduce for everything logged; its .tolist() is the step's one host sync, needed anyway
     # for the non-finite check (every rank must take the same decision) and the progress bar.
     # (the gradient norm rides along last: every rank holds the same global norm, so the sum is world_size of it)
     packed = all_reduce_sum(torch.cat([loss.view(1), dropped, loads.flatten(),
                                        *(v.float().view(1).to(loss.device) for v in extra.values()),
-                                       rows_R2.flatten(), grad_norm.detach().float().view(1).to(loss.device)]))
+                                       rows_RC.flatten(), grad_norm.detach().float().view(1).to(loss.device)]))
     # Every rank holds the loss, and with the MoE replicated over tp every tp rank routes all of its dp rank's
     # tokens: divide the copies out.
     tp = par.dims.moe_token_copies
     numbers = read_after_collective(packed)
     loss_value = numbers[0] / s.info.world_size
     gn = numbers.pop() / s.info.world_size
-    rows = numbers[len(numbers) - rows_R2.numel():]
-    del numbers[len(numbers) - rows_R2.numel():]
+    rows = numbers[len(numbers) - rows_RC.numel():]
+    del numbers[len(numbers) - rows_RC.numel():]
     finite = math.isfinite(loss_value) and math.isfinite(gn)
     step = s.scheduler.last_epoch + 1
     if not finite and cfg.training.on_nonfinite == "stop":
@@ -102,7 +103,7 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     s.optimizer.zero_grad(set_to_none=True)
     s.scheduler.step()
     out = {"loss": loss_value, "lr": lr, "grad_norm": gn, "skipped": not finite, "grad_bytes": grad_bytes,
-           "rank_rows": [rows[i:i + 2] for i in range(0, len(rows), 2)]}
+           "rank_rows": [rows[i:i + len(mine)] for i in range(0, len(rows), len(mine) or 1)]}
     out["losses"] = {k: v / s.info.world_size for k, v in zip(extra, numbers[len(numbers) - len(extra):])}
     if layers:
         global_loads = packed[1 + len(dropped):1 + len(dropped) + len(layers) * E].view(len(layers), E) / tp

@@ -76,6 +76,12 @@ def _due(every: int, step: int, is_last: bool) -> bool:
     return bool(every) and step % every == 0 or is_last
 
 
+def _peak_memory(rows: list[list[float]]) -> dict:
+    """The largest rank's peak memory (the last column of each rank's row) and which rank it is."""
+    rank = max(range(len(rows)), key=lambda r: rows[r][-1])
+    return {"peak_memory_mb": rows[rank][-1], "peak_memory_rank": rank}
+
+
 def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, progress: bool,
                guard: StepGuard) -> dict:
     """Steps start+1 .. stop; evaluation, metrics and checkpoints when due. Returns what the summary needs.
@@ -95,7 +101,7 @@ def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, pr
         is_last = step == stop
         guard.begin(step)
         out = train_step(cfg, s, with_moe_stats=_due(cfg.metrics.log_every, step, is_last), measure=is_last,
-                         rank_row=guard.row)
+                         rank_row=lambda: (*guard.row(), peak_memory_mb(info.device)))
         stopping = guard.end(step, out["rank_rows"]) and not is_last
         ckpt.poll()
         steps_window += 1
@@ -111,7 +117,7 @@ def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, pr
             record = {
                 "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
                 "mfu": tokens_per_s * flops_per_token / (peak * info.world_size) if peak else "unknown",
-                "peak_memory_mb": peak_memory_mb(info.device), **out.get("losses", {}),
+                **_peak_memory(out["rank_rows"]), **out.get("losses", {}),
             }
             if out["skipped"]:
                 record["skipped"] = True
