@@ -212,8 +212,14 @@ def cmd_info(argv: list[str]) -> int:
     print(f"moeflow {moeflow.__version__}, torch {torch.__version__}, Python {platform.python_version()}")
     print(f"platform: {platform.platform()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads")
     if torch.cuda.is_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "not built"
+        print(f"CUDA {torch.version.cuda}, NCCL {nccl}")
         for i in range(torch.cuda.device_count()):
-            print(f"cuda:{i}: {torch.cuda.get_device_name(i)}")
+            props = torch.cuda.get_device_properties(i)
+            # torch's fast grouped GEMM (the MoE experts' path) is bf16 on sm90 / sm100; elsewhere a per-group fallback
+            fast = "yes" if props.major in (9, 10) else "no (per-group fallback)"
+            print(f"cuda:{i}: {props.name}, sm{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
+                  f"bf16 grouped GEMM fast path: {fast}")
     else:
         print("CUDA: not available (training runs on the CPU with gloo)")
     backends = [b for b, ok in [("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),

@@ -176,6 +176,31 @@ def test_print_config_and_help(tiny_args):
     assert out.returncode == 0 and "gloo" in out.stdout
 
 
+def test_info_says_which_gpus_take_the_fast_grouped_gemm(monkeypatch, capsys):
+    """`moeflow info` on a machine with GPUs (torch.cuda patched: an H100 and an A100): CUDA and NCCL versions, and per
+    GPU its compute capability, memory and whether torch's bf16 grouped GEMM fast path (sm90 / sm100) applies."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from moeflow import cli
+
+    gpus = [SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=80 * 2**30),
+            SimpleNamespace(name="NVIDIA A100-SXM4-40GB", major=8, minor=0, total_memory=40 * 2**30)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpus[i])
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA 12.8, NCCL 2.27.3" in out
+    assert "cuda:0: NVIDIA H100 80GB HBM3, sm90, 80 GiB, bf16 grouped GEMM fast path: yes" in out
+    assert "cuda:1: NVIDIA A100-SXM4-40GB, sm80, 40 GiB, bf16 grouped GEMM fast path: no" in out
+
+
 def test_unknown_key_on_the_command_line(tmp_path):
     out = run_cli(["train", "--trainin.steps=3", f"--run-dir={tmp_path}"])
     assert out.returncode == 2 and "Did you mean 'training.steps'" in out.stderr
