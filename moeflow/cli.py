@@ -96,6 +96,7 @@ def cmd_train(argv: list[str]) -> int:
         print(json.dumps(out, indent=1) if args.json else format_dry_run(out))
         return 0
     from moeflow.train.data_setup import prepare, uses_cache
+    from moeflow.train.distributed import choose_device
 
     nproc = args.nproc_per_node
     max_restarts = cfg.parallel.max_restarts if args.max_restarts is None else args.max_restarts
@@ -104,7 +105,7 @@ def cmd_train(argv: list[str]) -> int:
     launching = ((nproc and nproc > 1) or max_restarts > 0) and "LOCAL_RANK" not in os.environ
     if launching:
         cfg.layout(nproc or 1)  # a bad layout is one line here, not an error in every rank
-        _say_device(cfg.training.device, nproc or 1)
+        choose_device(cfg.training.device, nproc or 1)  # 'cuda' without a GPU per process: one line here
     if args.prepare_data and not uses_cache(cfg):
         print(f"data.source = {cfg.data.source!r} is read directly (no token cache to prepare)", file=sys.stderr)
         return 0
@@ -142,19 +143,6 @@ def _destroy() -> None:
         # exception", seen once in a few hundred 2-rank runs here).
         dist.barrier()
         dist.destroy_process_group()
-
-
-def _say_device(pref: str, nproc: int) -> None:
-    """Refuse training.device = 'cuda' without a GPU per process (one line, before any process starts); say so
-    when 'auto' trains on the CPU although there are GPUs (fewer than the processes)."""
-    import torch
-
-    from moeflow.train.distributed import choose_device
-
-    if choose_device(pref, nproc) == "cpu" and pref == "auto" and torch.cuda.is_available():
-        gpus = torch.cuda.device_count()
-        print(f"moeflow train: {nproc} processes but {gpus} GPU{'s' if gpus > 1 else ''} here, so training runs on "
-              f"the CPU (training.device = 'auto'); --nproc-per-node {gpus} trains on the GPUs", file=sys.stderr)
 
 
 def _launch(nproc: int, argv: list[str], run_dir: str, max_restarts: int) -> int:

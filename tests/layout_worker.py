@@ -42,7 +42,7 @@ def _run_case(_, case) -> None:
 
     name, argv, run_dir, resume = case
     cfg = load_config(None, {**parse_overrides(argv), "run_dir": run_dir})
-    with _Dtypes(Path(run_dir) / f"dtypes.rank{dist.get_rank()}.json"):
+    with _Dtypes(Path(run_dir) / f"dtypes.rank{dist.get_rank()}.json", cfg.model.vocab_size):
         train(cfg, resume=resume, fresh=not resume, progress=False)
     dist.barrier()
 
@@ -50,15 +50,16 @@ def _run_case(_, case) -> None:
 class _Dtypes:
     """What ran in which precision during the case (a loss comparison cannot tell: bf16 and fp32 losses of these
     short runs differ less than the layouts' own summation-order noise). Writes to `path`, each a {dtype: count}:
-    "Linear" / "GroupedExperts": output dtypes of every call; "matmul weights": the weight dtype those modules
-    held when called (under FSDP, the dtype it gathered them in); "fp32 modules": the weights of every RMSNorm
+    "Linear" / "GroupedExperts": output dtypes of every call; "Linear weights" / "GroupedExperts weights": the
+    weight dtype those modules held when called (under FSDP, the dtype it gathered them in), with the output head's
+    (the Linear with `vocab_size` outputs) apart as "head weights"; "fp32 modules": the weights of every RMSNorm
     and moeflow Router's gate when called; and "all-gathered bytes": the bytes each rank sent in FSDP2's
     all-gathers, by dtype."""
 
-    def __init__(self, path: Path):
-        self.path = path
-        self.counts = {k: Counter() for k in ("Linear", "GroupedExperts", "matmul weights", "fp32 modules",
-                                              "all-gathered bytes")}
+    def __init__(self, path: Path, vocab_size: int):
+        self.path, self.vocab_size = path, vocab_size
+        self.counts = {k: Counter() for k in ("Linear", "GroupedExperts", "Linear weights", "GroupedExperts weights",
+                                              "head weights", "fp32 modules", "all-gathered bytes")}
 
     def _hook(self, module, _inputs, output) -> None:
         from moeflow.models.layers import RMSNorm
@@ -69,7 +70,8 @@ class _Dtypes:
         if kind is not None and isinstance(output, torch.Tensor):
             self.counts[kind][str(output.dtype)] += 1
             weight = module.weight if kind == "Linear" else module.w1
-            self.counts["matmul weights"][str(weight.dtype)] += 1
+            head = kind == "Linear" and module.out_features == self.vocab_size
+            self.counts["head weights" if head else f"{kind} weights"][str(weight.dtype)] += 1
         if isinstance(module, (RMSNorm, Router)):
             weight = module.weight if isinstance(module, RMSNorm) else module.gate.weight
             self.counts["fp32 modules"][str(weight.dtype)] += 1

@@ -74,12 +74,15 @@ LAYOUTS = {
 # changes bf16 roundings, so the fp32 bounds above do not apply). Those bounds are wider than bf16's own effect
 # (one process, bf16 against fp32: losses 6e-6 to 1.7e-5, grad norms 9e-5 to 1.3e-3), so each rank also records
 # the output dtype of every Linear and GroupedExperts call (tests/layout_worker.py) and the test wants bf16 only;
-# likewise their weights when called (FSDP gathers them in bf16) and fp32 for norms and router gates, and the
-# bytes FSDP all-gathers under ep2 in bf16 against the same layout in fp32.
-BF16 = {"ep2-bf16": ["--parallel.ep=2"], "tp2-bf16": ["--parallel.tp=2"], "pp2-bf16": ["--parallel.pp=2"],
-        "zero1-accumulate-bf16": ["--parallel.zero=1", "--training.micro_batch=1"],
-        "ep2-chunks2-recompute-bf16": ["--parallel.ep=2", "--parallel.ep_overlap_chunks=2",
-                                       "--training.activation_checkpointing=full"]}
+# likewise the dtype FSDP gathered their weights in (the second and third entries: bf16, except experts called once
+# per chunk and zero-bubble schedules, whose gradients would add up in bf16; parallel/fsdp.py), fp32 for norms and
+# router gates, and the bytes FSDP all-gathers under ep2 in bf16 against the same layout in fp32.
+BF16 = {"ep2-bf16": (["--parallel.ep=2"], "bf16", "bf16"), "tp2-bf16": (["--parallel.tp=2"], "bf16", "bf16"),
+        "pp2-bf16": (["--parallel.pp=2"], "bf16", "bf16"),
+        "zero1-accumulate-bf16": (["--parallel.zero=1", "--training.micro_batch=1"], "bf16", "bf16"),
+        "ep2-chunks2-recompute-bf16": (["--parallel.ep=2", "--parallel.ep_overlap_chunks=2",
+                                        "--training.activation_checkpointing=full"], "bf16", "fp32"),
+        "pp2-zbv-bf16": (["--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble"], "fp32", "fp32")}
 BF16_LOSS_REL, BF16_GRAD_NORM_REL = 1e-3, 2e-2
 # The planner's ZeRO memory model (moeflow.plan.memory) against the bytes training measured, per layout:
 # (dp_replicate, dp_shard, tp, pp, ep, zero[, cp]).
@@ -143,24 +146,28 @@ def test_layouts_match_one_process(world, reference, tmp_path):
     cases = [(name, [*BASE, *extra], str(tmp_path / name), False) for name, extra in LAYOUTS[world].items()]
     if world == 2:
         cases += [(name, [*BASE, "--training.dtype=bf16", *extra], str(tmp_path / name), False)
-                  for name, extra in BF16.items()]
+                  for name, (extra, _, _) in BF16.items()]
     results = launch(world, cases)
     if world == 2:
         bf16_losses, bf16_grad_norms = reference["bf16"]
         assert bf16_losses != reference["three"][0]  # autocast is on: bf16 roundings show
-        for name in BF16:
+        for name, (_, linear, experts) in BF16.items():
             assert results[name] == "ok", f"{name}:\n{results[name]}"
             assert metric(tmp_path / name) == pytest.approx(bf16_losses, rel=BF16_LOSS_REL), name
             assert metric(tmp_path / name, "grad_norm") == pytest.approx(bf16_grad_norms, rel=BF16_GRAD_NORM_REL)
             for rank in range(world):  # every matmul module ran in bf16 on every rank (the losses cannot show it)
                 seen = json.loads((tmp_path / name / f"dtypes.rank{rank}.json").read_text())
-                for kind in ("Linear", "GroupedExperts", "matmul weights"):  # weights: FSDP gathered them in bf16
+                for kind in ("Linear", "GroupedExperts"):
                     assert set(seen[kind]) == {"torch.bfloat16"}, (name, rank, seen)
+                for kind, gathered in (("Linear weights", linear), ("GroupedExperts weights", experts),
+                                       ("head weights", "fp32")):  # the stage roots stay fp32 (pp: on one rank)
+                    want = {f"torch.{'bfloat16' if gathered == 'bf16' else 'float32'}"}
+                    assert set(seen[kind]) == want or (kind == "head weights" and not seen[kind]), (name, rank, seen)
                 assert set(seen["fp32 modules"]) == {"torch.float32"}, (name, rank, seen)
         for rank in range(world):  # the same gathers as in fp32, the matmul weights' at half the bytes
             fp32, bf16 = (json.loads((tmp_path / name / f"dtypes.rank{rank}.json").read_text())["all-gathered bytes"]
                           for name in ("ep2", "ep2-bf16"))
-            assert bf16["torch.bfloat16"] > bf16["torch.float32"] > 0, bf16  # norms, router gates, embedding: fp32
+            assert bf16["torch.bfloat16"] > 0 and bf16["torch.float32"] > 0, bf16  # norms, gates, stage roots: fp32
             assert bf16["torch.float32"] + 2 * bf16["torch.bfloat16"] == fp32["torch.float32"], (fp32, bf16)
     for name in LAYOUTS[world]:
         assert results[name] == "ok", f"{name}:\n{results[name]}"

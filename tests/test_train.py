@@ -163,8 +163,14 @@ def test_each_process_needs_a_gpu_of_its_own(gpus, monkeypatch, capsys):
         assert "--nproc-per-node 1" in err and "Traceback" not in err
     assert len(launched) == (1 if gpus >= 2 else 0)
     assert cli.main([*job, "--training.device=auto"]) == 0
-    said = "2 processes but 1 GPU here, so training runs on the CPU" in capsys.readouterr().err
-    assert said == (gpus == 1)
+    # what rank 0 says when 'auto' trains on the CPU although there are GPUs (a process group of one here)
+    from moeflow.train.distributed import init_distributed
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    if gpus < 2:  # with 2, it would select a (patched, absent) GPU
+        assert init_distributed("auto").device.type == "cpu"
+        said = "2 processes per machine but 1 GPU, so training runs on the CPU" in capsys.readouterr().err
+        assert said == (gpus == 1)
 
 
 def test_print_config_and_help(tiny_args):
@@ -295,6 +301,11 @@ def test_a_checkpoint_keeps_this_ranks_gpu_rng_state_only(monkeypatch):
     assert torch.equal(saved["cuda"], state)
     restore_rng(saved)
     assert len(restored) == 1 and torch.equal(restored[0], state)
+    # an older checkpoint's list over every GPU: this rank's entry, and none where this GPU had none
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    restore_rng({**saved, "cuda": [state + 1, state + 2]})
+    restore_rng({**saved, "cuda": [state + 1]})
+    assert len(restored) == 2 and torch.equal(restored[1], state + 2)
 
 
 def test_checkpoint_experts_pass_through_host_memory():

@@ -3,11 +3,15 @@ over them times tp, then every block, then each stage root.
 
 ZeRO-3 reshards parameters after forward; ZeRO-2 keeps them gathered until backward (`reshard_after_forward`).
 
-Under bf16 autocast the matmul weights (every nn.Linear but the router's gate, and the grouped experts) are
-gathered in bf16 (FSDP2's MixedPrecisionPolicy, gradients reduced in fp32), half the bytes of the fp32 master
-weights, and no fp32 copy is gathered only for autocast to cast it: autocast would round them to bf16 anyway, so
-the numerics are those of one process under autocast. The rest of each block and stage root (norms, the router's
-gate, the embedding) compute in fp32 and are gathered in fp32 with their module.
+Under bf16 autocast each block's matmul weights (every nn.Linear but the router's gate, and the grouped experts)
+are gathered in bf16 (FSDP2's MixedPrecisionPolicy, gradients reduced in fp32): half the bytes of the fp32 master
+weights, and no bf16 copy of a gathered fp32 weight kept for backward. Autocast would round them to bf16 anyway, so
+the gradients are those of autocast over fp32 weights as long as each weight's gradient is produced once before FSDP
+reduces it (FSDP accumulates micro-batches in fp32): experts called once per chunk keep fp32 gathers, and so does
+everything under zero-bubble schedules or torch.compile (parallelize decides). Norms, router gates and the stage
+roots (embedding, final norm, head: the root stays gathered from forward to backward) are gathered in fp32.
+A matmul module in a block is expected to run in every forward (one that never runs keeps its unit gathered to
+the end of the forward).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from moeflow.parallel.mesh import folded_moe_mesh, submesh
 
 def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: ParallelDims, mesh,
                matmul_dtype: torch.dtype | None = None) -> None:
-    """matmul_dtype: autocast's dtype (the matmul weights are gathered in it, see the module doc), or None."""
+    """matmul_dtype: the dtype the blocks' matmul weights are gathered in (autocast's; see the module doc), or None."""
     fsdp = {"reshard_after_forward": dims.zero == 3}
     # Inputs are not cast: the residual stream stays fp32 between blocks, as under autocast alone.
     matmul = fsdp if matmul_dtype is None else {**fsdp, "mp_policy": MixedPrecisionPolicy(
@@ -39,12 +43,12 @@ def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: Para
             if dims.fold_experts and moe.shared_experts is not None:
                 _shard_folded_shared_experts(moe, dims, mesh, matmul)
             if isinstance(moe.dispatcher, ExpertParallelDispatcher):  # else sharded with their block
-                _shard_experts(moe, dims, mesh, matmul)
+                # called once per chunk: in bf16 their gradient would add up in bf16 across the chunks
+                _shard_experts(moe, dims, mesh, matmul if moe.dispatcher.num_chunks == 1 else fsdp)
         _shard_matmul_weights(block, dp_mesh, place, matmul, matmul_dtype)
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=place, **fsdp)
     # Each stage root gathers its embedding / norm / head; the container of several stages is not run.
     for stage in stages:
-        _shard_matmul_weights(stage, dp_mesh, place, matmul, matmul_dtype)
         fully_shard(stage, mesh=dp_mesh, shard_placement_fn=place, **fsdp)
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeflow.layout import ParallelDims
+from moeflow.layout.schedules import SCHEDULES
 from moeflow.models.moe import GroupedExperts, MoE
 from moeflow.parallel.checkpointing import apply_activation_checkpointing
 from moeflow.parallel.fp8 import apply_fp8
@@ -140,7 +141,11 @@ def parallelize(
     apply_fp8(model, fp8, device_type)
     apply_activation_checkpointing(blocks(model), activation_checkpointing)
     _compile_blocks(model, compile)
-    apply_fsdp(blocks(model), stages, dims, mesh, autocast_dtype)
+    # Matmul weights gathered in autocast's dtype (parallel/fsdp.py), except where a weight's gradient would add up
+    # in bf16 before FSDP reduces it (zero-bubble schedules run weight-gradient passes back to back) or the nested
+    # FSDP units would split each compiled block's graph (torch.compile: more graph breaks, other fusions).
+    splits_backward = dims.pp > 1 and SCHEDULES[dims.pp_schedule].splits_backward
+    apply_fsdp(blocks(model), stages, dims, mesh, None if compile or splits_backward else autocast_dtype)
     if dims.fold_experts:
         _record_folded_moe_params(model, state)
     state.runner = _build_runner(model, stages, mesh, dims, microbatches, loss_fn, autocast, device_type,

@@ -22,8 +22,9 @@
   weight-gradient seconds, plus a point-to-point send of the s*b*h/t activation per stage boundary per
   micro-batch, forward and backward.
 - DP / ZeRO, as the trainer runs them (bf16 parameter all-gathers, fp32 gradient reduce-scatters:
-  moeflow.parallel.fsdp's MixedPrecisionPolicy, which gathers the embedding and norms in fp32, charged here at
-  bf16 too; no gradient reduction between micro-batches): ZeRO-1 reduces
+  moeflow.parallel.fsdp's MixedPrecisionPolicy, which keeps fp32 gathers for the stage roots (embedding, head),
+  norms, router gates, chunked experts, and all under zero-bubble schedules or torch.compile: charged here at bf16
+  too; no gradient reduction between micro-batches): ZeRO-1 reduces
   gradients and gathers parameters once per step (Megatron-Core's distributed optimizer); ZeRO-2 gathers the
   parameters for each micro-batch's forward, ZeRO-3 for its forward and its backward; under the zero-bubble
   schedules both gather once per step (parameters stay gathered, moeflow.parallel.pipeline). Gathers overlap

@@ -307,5 +307,11 @@ def rng_state() -> dict:
 
 def restore_rng(rng: dict) -> None:
     torch.set_rng_state(rng["cpu"])
-    if isinstance(rng["cuda"], torch.Tensor) and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
+    if not torch.cuda.is_available():
+        return
+    state = rng["cuda"]
+    if isinstance(state, list):  # written by an older moeflow: one state per visible GPU; this rank's, if there
+        device = torch.cuda.current_device()
+        state = state[device] if device < len(state) else None
+    if isinstance(state, torch.Tensor):
+        torch.cuda.set_rng_state(state)

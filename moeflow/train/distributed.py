@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,8 @@ class DistInfo:
 def choose_device(pref: str, local_ranks: int, setting: str = "training.device") -> str:
     """'cuda' or 'cpu' for training.device = `pref` with `local_ranks` processes on this machine. Each rank needs
     a GPU of its own (NCCL refuses two ranks on one), so 'auto' takes CUDA only when there are enough GPUs and
-    'cuda' without them is an error here, before any process group exists."""
+    'cuda' without them is an error here, before any process group exists. Assumes torchrun's convention: every
+    process sees all of its machine's GPUs and takes the one at its LOCAL_RANK."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if pref == "cpu":
         return "cpu"
@@ -44,7 +46,13 @@ def init_distributed(device_pref: str = "auto", timeout_s: float = 300) -> DistI
     """Join torchrun's process group when WORLD_SIZE > 1 (gloo on CPU, NCCL on CUDA)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = choose_device(device_pref, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) == "cuda"
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    use_cuda = choose_device(device_pref, local_ranks) == "cuda"
+    if not use_cuda and device_pref == "auto" and torch.cuda.is_available() and rank == 0:
+        gpus = torch.cuda.device_count()
+        print(f"moeflow train: {local_ranks} processes per machine but {gpus} GPU{'s' if gpus > 1 else ''}, so "
+              f"training runs on the CPU (training.device = 'auto'); --nproc-per-node {gpus} trains on the GPUs",
+              file=sys.stderr)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

@@ -228,7 +228,7 @@ class StepGuard:
     def _busy_clock(self) -> float:
         # On the CPU a rank's own work is its CPU time: time blocked in a collective, waiting for a slower
         # peer, does not count, so the slow rank stands out instead of every rank looking as slow as it.
-        # On CUDA the host only queues kernels; the wall time up to the step's end is used (less telling).
+        # On CUDA the host only queues kernels; the wall time up to the step's all-reduce is used (less telling).
         return time.process_time() if self.info.device.type == "cpu" else time.perf_counter()
 
     def begin(self, step: int) -> None:
@@ -240,7 +240,8 @@ class StepGuard:
 
     def row(self) -> tuple[float, float]:
         """This rank's stop flag (the signal number, or 0) and busy time so far in the step, for the step's one
-        all-reduce (moeflow.train.step.train_step's rank_row): no collective or host sync of its own."""
+        all-reduce (moeflow.train.step.train_step's rank_row): no collective or host sync of its own. Read before
+        the optimizer step: a signal that arrives after it is acted on at the end of the next step."""
         return float(self.signals.received or 0), self._busy_clock() - self._t0
 
     def end(self, step: int, rows: list[list[float]]) -> bool:

@@ -17,7 +17,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from moeflow.models.config import ModelConfig
 from moeflow.models.hf import _check_names, copy_into, hf_shape, read_header, read_hf_config, weight_files
@@ -103,9 +104,12 @@ def load_owned(model: torch.nn.Module, cfg: ModelConfig) -> int:
 
 
 def _place(dst: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of `full` into `dst` (a DTensor's local shard, or a whole tensor)."""
-    if isinstance(dst, DTensor):
-        local = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
-        dst.to_local().copy_(local)
-    else:
+    """Copy this rank's part of `full` (on the host) into `dst` (a DTensor's local shard, or a whole tensor)."""
+    if not isinstance(dst, DTensor):
         dst.copy_(full)
+    elif all(type(p) in (Shard, Replicate) for p in dst.placements):
+        # cut on the host, so only this rank's part goes to the device (distribute_tensor would move all of it)
+        shape, offset = compute_local_shape_and_global_offset(full.shape, dst.device_mesh, dst.placements)
+        dst.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+    else:  # FSDP over TP on the same dim (_StridedShard): not one contiguous block; torch's own chunking
+        dst.to_local().copy_(distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local())

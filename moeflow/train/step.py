@@ -75,7 +75,7 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     rows_RC = loss.new_zeros(s.info.world_size if mine else 0, len(mine))  # each rank fills its own row: a gather
     for column, value in enumerate(mine):
         rows_RC[s.info.rank, column] = value
-    # One all-reduce for everything logged; its .tolist() is the step's one host sync, needed anyway
+    # One all-reduce for everything logged; its .tolist() is the trainer's one host sync per step, needed anyway
     # for the non-finite check (every rank must take the same decision) and the progress bar.
     # (the gradient norm rides along last: every rank holds the same global norm, so the sum is world_size of it)
     packed = all_reduce_sum(torch.cat([loss.view(1), dropped, loads.flatten(),
