@@ -92,7 +92,6 @@ def eval_batches(job, batch_size: int, max_batches: int):
 
 
 def main(argv: list[str]) -> int:
-
     from moeflow.config import JobConfig
     from moeflow.generate import load_model
     from moeflow.train.distributed import choose_device

@@ -52,17 +52,12 @@ def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: Para
         fully_shard(stage, mesh=dp_mesh, shard_placement_fn=place, **fsdp)
 
 
-def _shard_matmul_weights(root: nn.Module, mesh, place, matmul: dict, matmul_dtype) -> None:
-    """Under autocast, the matmul modules of `root` not yet sharded become one FSDP unit gathered in
-    `matmul_dtype` (module doc); a weight shared with another module (tied embeddings) stays with `root`."""
-    if matmul_dtype is None:
-        return
-    modules = list(_autocast_matmuls(root))
-    elsewhere = {id(p) for m in root.modules() if not any(m is c for c in modules)
-                 for p in m.parameters(recurse=False)}
-    ours = [m for m in modules if not any(id(p) in elsewhere for p in m.parameters())]
-    if ours:
-        fully_shard(ours, mesh=mesh, shard_placement_fn=place, **matmul)
+def _shard_matmul_weights(block: nn.Module, mesh, place, matmul: dict, matmul_dtype) -> None:
+    """Under autocast, the matmul modules of `block` not yet sharded become one FSDP unit gathered in
+    `matmul_dtype` (module doc). Blocks share no weights (tied embeddings live in the stage roots)."""
+    modules = list(_autocast_matmuls(block)) if matmul_dtype is not None else []
+    if modules:
+        fully_shard(modules, mesh=mesh, shard_placement_fn=place, **matmul)
 
 
 def _autocast_matmuls(module: nn.Module):
