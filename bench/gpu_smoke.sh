@@ -10,4 +10,12 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   echo "no CUDA device: skipped"
   exit 0
 fi
+# A machine without network whose Python has torch but lacks a package (the lent H200's image has no torchao):
+# wheels fetched beforehand into .whl/ on a machine with pip (bench/README.md, "The GPU smoke test") are installed
+# into a temporary folder for this run only.
+if compgen -G ".whl/*.whl" >/dev/null && ! "$PY" -c 'import torchao' 2>/dev/null; then
+  SITE=$(mktemp -d)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
 exec "$PY" bench/gpu_smoke.py "$@"

@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -27,3 +28,22 @@ def run_cli(args, env=None, timeout=300):
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "moeflow", *args], cwd=REPO, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+# moeflow also runs on torch 2.11 (a lent GPU machine's image), where moeflow/parallel/torch_compat.py refuses some
+# pipelines; the suite leaves those cases out there (on 2.13, what `make test` installs, it runs every case).
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def old_torch() -> bool:
+    from moeflow.parallel.torch_compat import torch_minor
+
+    return torch_minor() < (2, 13)
+
+
+def refused_on_old_torch(argv: list[str]) -> bool:
+    """Whether moeflow refuses these training flags on torch before 2.13 (gloo: the suite's backend)."""
+    flags = " ".join(argv)
+    pipelined = re.search(r"--parallel\.pp=([2-9])", flags) is not None
+    return old_torch() and pipelined and (any(v in flags for v in V_SCHEDULES) or "--model.mtp_depth=1" in flags
+                                          or "aux_loss_type=global_batch" in flags)

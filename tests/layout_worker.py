@@ -47,6 +47,9 @@ def _run_case(_, case) -> None:
     dist.barrier()
 
 
+FSDP_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
 class _Dtypes:
     """What ran in which precision during the case (a loss comparison cannot tell: bf16 and fp32 losses of these
     short runs differ less than the layouts' own summation-order noise). Writes to `path`, each a {dtype: count}:
@@ -82,10 +85,12 @@ class _Dtypes:
 
     def __enter__(self):
         self.handle = torch.nn.modules.module.register_module_forward_hook(self._hook)
-        self.all_gather, dist.all_gather_single = dist.all_gather_single, self._all_gather  # FSDP2 calls it by name
+        # FSDP2 calls it by name: all_gather_single since torch 2.13, all_gather_into_tensor before
+        self.all_gather = getattr(dist, FSDP_ALL_GATHER)
+        setattr(dist, FSDP_ALL_GATHER, self._all_gather)
         return self
 
     def __exit__(self, *exc) -> None:
         self.handle.remove()
-        dist.all_gather_single = self.all_gather
+        setattr(dist, FSDP_ALL_GATHER, self.all_gather)
         self.path.write_text(json.dumps({k: dict(v) for k, v in self.counts.items()}))

@@ -10,9 +10,12 @@ from torch import nn
 from moeflow.models.config import ModelConfig, MoEConfig
 from moeflow.models.transformer import Transformer
 from moeflow.parallel.parallelize import parallelize
+from moeflow.parallel.torch_compat import torch_minor
 
 pytest.importorskip("torchao")
 torch.set_num_threads(1)
+# torchao's MXFP8 training needs torch 2.13 (moeflow refuses it on older torch: test_refusals)
+MXFP8 = pytest.mark.skipif(torch_minor() < (2, 13), reason="torchao's MXFP8 training needs torch 2.13")
 
 MOE = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64, mtp_depth=1,
                   moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=64, num_shared_experts=1, first_k_dense=1))
@@ -26,6 +29,7 @@ def _model(cfg: ModelConfig) -> Transformer:
     return model
 
 
+@MXFP8
 def test_mxfp8_converts_exactly_the_intended_modules():
     model = _model(MOE)
     parallelize(model, fp8="mxfp8")
@@ -72,7 +76,8 @@ def _train(model: Transformer, fp8: str, steps: int) -> list[float]:
 TOLERANCE = 0.03
 
 
-@pytest.mark.parametrize("cfg, fp8", [(MOE, "mxfp8"), (DENSE, "tensorwise"), (DENSE, "rowwise")])
+@pytest.mark.parametrize("cfg, fp8", [pytest.param(MOE, "mxfp8", marks=MXFP8), (DENSE, "tensorwise"),
+                                      (DENSE, "rowwise")])
 def test_emulated_fp8_training_tracks_high_precision(cfg, fp8):
     reference = _train(_model(cfg), "none", steps=8)
     emulated = _train(_model(cfg), fp8, steps=8)
@@ -83,7 +88,7 @@ def test_emulated_fp8_training_tracks_high_precision(cfg, fp8):
     assert max(diff) > 1e-6, "FP8 gave fp32's losses exactly: nothing was quantised"
 
 
-def test_refusals():
+def test_refusals(monkeypatch):
     with pytest.raises(ValueError, match="FP8 rowwise grouped GEMM, which needs CUDA.*no CPU emulation"):
         parallelize(_model(MOE), fp8="rowwise")
     from moeflow.config import load_config
@@ -94,8 +99,17 @@ def test_refusals():
         load_config(None, {"training.fp8": "rowwise", "parallel.tp": "2"})
     with pytest.raises(ValueError, match="training.fp8 = 'fp4' is not one of"):
         load_config(None, {"training.fp8": "fp4"})
+    import moeflow.parallel.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "torch_minor", lambda: (2, 11))  # torchao would assert mid-conversion
+    with pytest.raises(ValueError, match="'mxfp8' needs torch 2.13 or newer"):
+        parallelize(_model(MOE), fp8="mxfp8")
+    monkeypatch.setattr(fp8.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="needs torchao: pip install"):
+        parallelize(_model(DENSE), fp8="tensorwise")
 
 
+@MXFP8
 def test_checkpoints_stay_high_precision(tmp_path):
     """A converted model's DCP checkpoint holds plain fp32 tensors (it loads with torch.load's safe unpickler, into
     a model that was never converted) and loads back into a converted one."""

@@ -10,6 +10,7 @@ import pytest
 
 from moeflow.config import load_config, parse_overrides
 from moeflow.train.trainer import train
+from tests.conftest import refused_on_old_torch
 from tests.layout_worker import launch
 from tests.model_helpers import metric
 from tests.test_layouts import BASE
@@ -63,10 +64,11 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
 
 def test_objective_layouts_match_one_process(one_process, tmp_path):
     _assert_same(one_process["accumulated"], one_process["global-mtp"], "micro_batch=2")
+    picked = {name: case for name, case in CASES.items() if not refused_on_old_torch([*OBJECTIVES[case[0]], *case[1]])}
     cases = [(name, [*BASE, *OBJECTIVES[objective], *layout], str(tmp_path / name.replace(" ", "_")), False)
-             for name, (objective, layout) in CASES.items()]
+             for name, (objective, layout) in picked.items()]
     results = launch(4, cases)
-    for name, (objective, _) in CASES.items():
+    for name, (objective, _) in picked.items():
         assert results[name] == "ok", f"{name}:\n{results[name]}"
         run = tmp_path / name.replace(" ", "_")
         _assert_same({key: metric(run, key) for key in KEYS[objective]}, one_process[objective], name)

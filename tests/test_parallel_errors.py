@@ -3,6 +3,7 @@ and a fix, exit status 2, no traceback (docs/design.md, principle 3)."""
 
 import pytest
 
+from moeflow.cli import main
 from tests.conftest import run_cli
 
 BAD = [
@@ -22,12 +23,29 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("overrides,nproc,words", BAD, ids=[" ".join(o) for o, _, _ in BAD])
-def test_bad_layout_is_one_line_before_launch(overrides, nproc, words, tmp_path):
-    out = run_cli(["train", "--nproc-per-node", str(nproc), f"--run-dir={tmp_path}", "--training.steps=1",
-                   "--no-progress", *overrides], timeout=120)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr and "torch.distributed.run" not in out.stderr
+def _assert_refused(returncode, stderr, words, run_dir):
+    assert returncode == 2, stderr[-2000:]
+    assert "Traceback" not in stderr and "torch.distributed.run" not in stderr
     for word in words:
-        assert word in out.stderr, (word, out.stderr)
-    assert not (tmp_path / "metrics.jsonl").exists()
+        assert word in stderr, (word, stderr)
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def _train_args(overrides, nproc, run_dir):
+    return ["train", "--nproc-per-node", str(nproc), f"--run-dir={run_dir}", "--training.steps=1", "--no-progress",
+            *overrides]
+
+
+def test_the_command_line_exits_2_with_one_line(tmp_path):
+    """Through a real `python -m moeflow` process: its exit status and stderr (the cases below run in-process)."""
+    overrides, nproc, words = BAD[0]
+    out = run_cli(_train_args(overrides, nproc, tmp_path), timeout=120)
+    _assert_refused(out.returncode, out.stderr, words, tmp_path)
+
+
+@pytest.mark.parametrize("overrides,nproc,words", BAD, ids=[" ".join(o) for o, _, _ in BAD])
+def test_bad_layout_is_one_line_before_launch(overrides, nproc, words, tmp_path, capsys):
+    # In this process: the refusal comes before any launch, and each subprocess would cost a torch import (~2 s).
+    # A check that let the layout through would launch `nproc` ranks and write metrics.jsonl.
+    returncode = main(_train_args(overrides, nproc, tmp_path))
+    _assert_refused(returncode, capsys.readouterr().err, words, tmp_path)

@@ -24,6 +24,7 @@ from moeflow.parallel.runner import router_layers
 sys.path.insert(0, os.path.dirname(__file__))
 import pp_worker  # noqa: E402
 
+from tests.conftest import V_SCHEDULES, old_torch  # noqa: E402
 from tests.dist_harness import check_results  # noqa: E402
 
 ALL_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
@@ -192,6 +193,7 @@ def test_pp2_every_schedule_matches_the_single_device_model():
               _train("dense", "GPipe", pp=2, boundaries=[[0], [1, 2, 3]]),
               _train("moe", "GPipe", pp=2, n_microbatches=8, eval_before_last=False),
               ("bad batch", "bad_batch", {})]
+    cases = [c for c in cases if not (old_torch() and c[2].get("schedule") in V_SCHEDULES)]
     check_results(pp_worker.launch(2, cases), cases)
 
 
@@ -206,4 +208,20 @@ def test_pp2_x_dp2_fsdp_and_expert_parallel():
              _train("moe", "DualPipeV", pp=2, dp=2),
              _train("moe", "1F1B", pp=2, dp=2, ep=True, n_microbatches=2),
              _train("moe", "ZBVZeroBubble", pp=2, dp=2, ep=True)]
+    cases = [c for c in cases if not (old_torch() and c[2].get("schedule") in V_SCHEDULES)]
     check_results(pp_worker.launch(4, cases), cases)
+
+
+def test_torch_before_2_13_refuses_the_pipelines_it_cannot_run(monkeypatch):
+    """moeflow/parallel/torch_compat.py: on torch 2.11 these fail inside torch mid-step (seen there); 2.13 runs them."""
+    from moeflow.parallel import torch_compat
+
+    monkeypatch.setattr(torch_compat, "torch_minor", lambda: (2, 11))
+    refusal = torch_compat.pipeline_refusal
+    assert "send to itself that gloo refuses" in refusal("ZBVZeroBubble", True, "gloo", 0, False)
+    assert refusal("ZBVZeroBubble", True, "nccl", 0, False) is None  # only gloo was seen failing
+    assert "aux_loss_type = 'global_batch'" in refusal("1F1B", False, "gloo", 0, True)
+    assert "model.mtp_depth = 1" in refusal("Interleaved1F1B", False, "nccl", 1, False)
+    assert refusal("1F1B", False, "gloo", 0, False) is None
+    monkeypatch.setattr(torch_compat, "torch_minor", lambda: (2, 13))
+    assert refusal("ZBVZeroBubble", True, "gloo", 1, True) is None

@@ -38,7 +38,7 @@ from moeflow.ep.autograd import wait as wait_node
 from moeflow.ep.backends import BACKENDS, make_backend
 from moeflow.ep.backends.base import Counts, Route, Topology, from_f32
 from moeflow.ep.backends.static import StaticBackend
-from moeflow.ep.comm import Comm, EPStats, Pending
+from moeflow.ep.comm import Comm, EPStats, Pending, new_group_in_order
 from moeflow.ep.fp8 import FP8_BLOCK, check_fp8_hidden
 
 X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -250,7 +250,7 @@ class Buffer:
         if key not in _SUBGROUPS and R > 1:
             def build(members_list):
                 return [
-                    dist.new_group([global_ranks[m] for m in ms], sort_ranks=False) if len(ms) > 1 else None
+                    new_group_in_order([global_ranks[m] for m in ms]) if len(ms) > 1 else None
                     for ms in members_list
                 ]
             _SUBGROUPS[key] = (build(inter_members), build(intra_members))

@@ -11,10 +11,30 @@ after it. Waiting on a GPU only makes the current stream wait (no host sync).
 from __future__ import annotations
 
 import datetime
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+# torch 2.13 renamed the tensor collectives (`all_gather_into_tensor` -> `all_gather_single`, likewise
+# reduce-scatter) and deprecated the old names; 2.11 (what a lent GPU machine's image holds) has only the old ones.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def new_group_in_order(ranks: list[int]):
+    """`dist.new_group` whose group ranks follow `ranks` as given. Older torch (2.11, for one) has no `sort_ranks`
+    and sorts them, which only matters when they are out of order; then this says so instead of renumbering."""
+    if "sort_ranks" in _NEW_GROUP_PARAMS:
+        return dist.new_group(ranks, sort_ranks=False)
+    if ranks != sorted(ranks):
+        raise RuntimeError(f"torch {torch.__version__} numbers a process group's ranks in ascending order, and this "
+                           f"group's ranks {ranks} are not; torch 2.13 or newer keeps the given order")
+    return dist.new_group(ranks)
+
+
+_NEW_GROUP_PARAMS = inspect.signature(dist.new_group).parameters
 
 
 @dataclass

@@ -44,6 +44,7 @@ from torch import nn
 from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
+from moeflow.ep.comm import all_gather_single, reduce_scatter_single
 from moeflow.models.layers import AttentionCore, autocast_input
 from moeflow.models.transformer import Transformer
 
@@ -94,7 +95,7 @@ class _GatherSequence(torch.autograd.Function):
         cp = dist.get_world_size(group)
         x_LBHD = x_BHLD.movedim(2, 0).contiguous()
         out_SBHD = x_LBHD.new_empty((cp * x_LBHD.shape[0], *x_LBHD.shape[1:]))
-        dist.all_gather_single(out_SBHD, x_LBHD, group=group)
+        all_gather_single(out_SBHD, x_LBHD, group=group)
         return out_SBHD.movedim(0, 2)
 
     @staticmethod
@@ -102,7 +103,7 @@ class _GatherSequence(torch.autograd.Function):
         cp = dist.get_world_size(ctx.group)
         grad_SBHD = grad_BHSD.movedim(2, 0).contiguous()
         out_LBHD = grad_SBHD.new_empty((grad_SBHD.shape[0] // cp, *grad_SBHD.shape[1:]))
-        dist.reduce_scatter_single(out_LBHD, grad_SBHD, group=ctx.group)
+        reduce_scatter_single(out_LBHD, grad_SBHD, group=ctx.group)
         return out_LBHD.movedim(0, 2), None
 
 

@@ -33,6 +33,7 @@ which shards the converted modules (TorchTitan's order).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import sys
 
@@ -41,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moeflow.models.moe import GroupedExperts
+from moeflow.parallel.torch_compat import torch_minor
 
 RECIPES = ("none", "tensorwise", "rowwise", "mxfp8")
 GROUP_ALIGNMENT = {"tensorwise": 16, "rowwise": 16, "mxfp8": 32}
@@ -73,6 +75,12 @@ def refusal(recipe: str, device_type: str, has_experts: bool) -> str | None:
         return None
     if recipe not in RECIPES:
         return f"training.fp8 = {recipe!r} is not one of {list(RECIPES)}"
+    if importlib.util.find_spec("torchao") is None:
+        return f"training.fp8 = {recipe!r} needs torchao: pip install 'torchao>=0.18,<0.19'"
+    if recipe == "mxfp8" and torch_minor() < (2, 13):
+        # torchao 0.18's MXFP8 training asserts DTensor features that torch 2.11 lacks (2.13 has them)
+        return (f"training.fp8 = 'mxfp8' needs torch 2.13 or newer (this is {torch.__version__}); use 'rowwise' or "
+                f"'tensorwise', or upgrade torch")
     if device_type == "cpu":
         if has_experts and recipe in ("tensorwise", "rowwise"):
             return (f"training.fp8 = {recipe!r} sends the routed experts through torchao's FP8 rowwise grouped GEMM, "

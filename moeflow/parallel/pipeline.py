@@ -64,6 +64,7 @@ from moeflow.parallel.runner import (
     router_layers,
     supply_global_selections,
 )
+from moeflow.parallel.torch_compat import pipeline_refusal
 
 # The torch class that runs each schedule of moeflow.layout.schedules.SCHEDULES (all seven of torch 2.13's
 # schedules match the single-device model on CPU/gloo, tests/test_pp.py, with two workarounds below: V-schedule
@@ -207,6 +208,10 @@ class PipelineRunner:
         self.autocast = contextlib.nullcontext  # the trainer's bf16 autocast covers the whole schedule step
         self.objective = scaled_loss.loss_fn if isinstance(scaled_loss.loss_fn, MTPObjective) else None
         self.balanced = global_batch_routers({i: r for s in stages for i, r in s.routers.items()})
+        why = pipeline_refusal(schedule_name, SCHEDULES[schedule_name].placement == "v", dist.get_backend(pp_group),
+                               stages[0].submod.cfg.mtp_depth, bool(self.balanced))
+        if why:
+            raise ValueError(why)
         self.balance_groups = list(balance_groups)
         self._extra: dict[str, torch.Tensor] = {}
         for stage in stages:
@@ -225,7 +230,9 @@ class PipelineRunner:
         self._check_batch(inputs)
         self.scaled_loss.scale = self.token_scale(targets) if loss_scale is None else loss_scale
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first_stage else ()
+        # torch before 2.13 checks each micro-batch's strides against the contiguous ones it inferred, and the
+        # inputs are a view (tokens[:, :-1])
+        args = (inputs.contiguous(),) if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
         if self.objective is not None:
             self.objective.reset()
