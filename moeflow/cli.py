@@ -62,6 +62,21 @@ def _help_config() -> str:
     return "settings (model.* keys override the preset chosen by model.name):\n" + "\n".join(lines)
 
 
+def _refuse_what_this_torch_cannot_run(cfg, device: str) -> None:
+    """The pipelines moeflow.parallel.torch_compat refuses in every rank, said once here before any process starts."""
+    if cfg.parallel.pp <= 1:
+        return
+    from moeflow.layout.schedules import SCHEDULES, resolve_schedule
+    from moeflow.parallel.torch_compat import pipeline_refusal
+
+    moe, schedule = cfg.model.moe, resolve_schedule(cfg.parallel.pp_schedule)
+    counting_pass = cfg.model.is_moe and moe.aux_loss_type == "global_batch" and moe.aux_loss_coef > 0
+    why = pipeline_refusal(schedule, SCHEDULES[schedule].placement == "v", "gloo" if device == "cpu" else "nccl",
+                           cfg.model.mtp_depth, counting_pass)
+    if why:
+        raise ValueError(why)
+
+
 def cmd_train(argv: list[str]) -> int:
     parser = _train_parser()
     args, rest = parser.parse_known_args(argv)
@@ -105,7 +120,8 @@ def cmd_train(argv: list[str]) -> int:
     launching = ((nproc and nproc > 1) or max_restarts > 0) and "LOCAL_RANK" not in os.environ
     if launching:
         cfg.layout(nproc or 1)  # a bad layout is one line here, not an error in every rank
-        choose_device(cfg.training.device, nproc or 1)  # 'cuda' without a GPU per process: one line here
+        device = choose_device(cfg.training.device, nproc or 1)  # 'cuda' without a GPU per process: one line here
+        _refuse_what_this_torch_cannot_run(cfg, device)
     if args.prepare_data and not uses_cache(cfg):
         print(f"data.source = {cfg.data.source!r} is read directly (no token cache to prepare)", file=sys.stderr)
         return 0

@@ -49,3 +49,16 @@ def test_bad_layout_is_one_line_before_launch(overrides, nproc, words, tmp_path,
     # A check that let the layout through would launch `nproc` ranks and write metrics.jsonl.
     returncode = main(_train_args(overrides, nproc, tmp_path))
     _assert_refused(returncode, capsys.readouterr().err, words, tmp_path)
+
+
+def test_what_torch_2_11_cannot_run_is_one_line_before_launch(tmp_path, capsys, monkeypatch):
+    """moeflow/parallel/torch_compat.py's refusals (each rank would raise them) are said once, before any process."""
+    from moeflow.parallel import torch_compat
+
+    monkeypatch.setattr(torch_compat, "torch_minor", lambda: (2, 11))
+    flags = ["--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble", "--training.device=cpu"]
+    returncode = main(_train_args(flags, 2, tmp_path))
+    _assert_refused(returncode, capsys.readouterr().err, ["'ZBVZeroBubble'", "gloo refuses", "torch 2.13"], tmp_path)
+    flags = ["--parallel.pp=2", "--model.mtp_depth=1", "--training.device=cpu"]
+    returncode = main(_train_args(flags, 2, tmp_path))
+    _assert_refused(returncode, capsys.readouterr().err, ["model.mtp_depth = 1 under parallel.pp > 1"], tmp_path)

@@ -209,7 +209,7 @@ class PipelineRunner:
         self.objective = scaled_loss.loss_fn if isinstance(scaled_loss.loss_fn, MTPObjective) else None
         self.balanced = global_batch_routers({i: r for s in stages for i, r in s.routers.items()})
         why = pipeline_refusal(schedule_name, SCHEDULES[schedule_name].placement == "v", dist.get_backend(pp_group),
-                               stages[0].submod.cfg.mtp_depth, bool(self.balanced))
+                               getattr(getattr(stages[0].submod, "cfg", None), "mtp_depth", 0), bool(self.balanced))
         if why:
             raise ValueError(why)
         self.balance_groups = list(balance_groups)
