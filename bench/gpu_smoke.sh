@@ -11,11 +11,11 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 0
 fi
 # A machine without network whose Python has torch but lacks a package (the lent H200's image has no torchao):
-# wheels fetched beforehand into .whl/ on a machine with pip (bench/README.md, "The GPU smoke test") are installed
-# into a temporary folder for this run only.
+# wheels fetched beforehand into .whl/ on a machine with pip (bench/README.md, "The GPU smoke test on a lent
+# machine") are unpacked into a temporary folder for this run only (a wheel is a zip of its installed files).
 if compgen -G ".whl/*.whl" >/dev/null && ! "$PY" -c 'import torchao' 2>/dev/null; then
   SITE=$(mktemp -d)
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
+  for wheel in .whl/*.whl; do "$PY" -m zipfile -e "$wheel" "$SITE"; done
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 exec "$PY" bench/gpu_smoke.py "$@"

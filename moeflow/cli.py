@@ -67,12 +67,12 @@ def _refuse_what_this_torch_cannot_run(cfg, device: str) -> None:
     if cfg.parallel.pp <= 1:
         return
     from moeflow.layout.schedules import SCHEDULES, resolve_schedule
+    from moeflow.parallel.runner import pipeline_counts_first
     from moeflow.parallel.torch_compat import pipeline_refusal
 
-    moe, schedule = cfg.model.moe, resolve_schedule(cfg.parallel.pp_schedule)
-    counting_pass = cfg.model.is_moe and moe.aux_loss_type == "global_batch" and moe.aux_loss_coef > 0
+    schedule = resolve_schedule(cfg.parallel.pp_schedule)
     why = pipeline_refusal(schedule, SCHEDULES[schedule].placement == "v", "gloo" if device == "cpu" else "nccl",
-                           cfg.model.mtp_depth, counting_pass)
+                           cfg.model.mtp_depth, pipeline_counts_first(cfg.model))
     if why:
         raise ValueError(why)
 

@@ -1,5 +1,4 @@
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -42,8 +41,12 @@ def old_torch() -> bool:
 
 
 def refused_on_old_torch(argv: list[str]) -> bool:
-    """Whether moeflow refuses these training flags on torch before 2.13 (gloo: the suite's backend)."""
-    flags = " ".join(argv)
-    pipelined = re.search(r"--parallel\.pp=([2-9])", flags) is not None
-    return old_torch() and pipelined and (any(v in flags for v in V_SCHEDULES) or "--model.mtp_depth=1" in flags
-                                          or "aux_loss_type=global_batch" in flags)
+    """Whether moeflow refuses these training flags on this torch before launching on the CPU (gloo)."""
+    from moeflow.cli import _refuse_what_this_torch_cannot_run
+    from moeflow.config import load_config, parse_overrides
+
+    try:
+        _refuse_what_this_torch_cannot_run(load_config(None, parse_overrides(argv)), "cpu")
+    except ValueError:
+        return True
+    return False

@@ -104,7 +104,9 @@ def test_refusals(monkeypatch):
     monkeypatch.setattr(fp8, "torch_minor", lambda: (2, 11))  # torchao would assert mid-conversion
     with pytest.raises(ValueError, match="'mxfp8' needs torch 2.13 or newer"):
         parallelize(_model(MOE), fp8="mxfp8")
-    monkeypatch.setattr(fp8.importlib.util, "find_spec", lambda name: None)
+    find_spec = fp8.importlib.util.find_spec
+    monkeypatch.setattr(fp8.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "torchao" else find_spec(name, *args))
     with pytest.raises(ValueError, match="needs torchao: pip install"):
         parallelize(_model(DENSE), fp8="tensorwise")
 

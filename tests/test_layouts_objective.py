@@ -20,6 +20,9 @@ OBJECTIVES = {
     "global-mtp": ["--model.moe.aux_loss_coef=0.1", "--model.moe.aux_loss_type=global_batch", *MTP],
     "sequence-mtp": ["--model.moe.aux_loss_coef=0.1", "--model.moe.aux_loss_type=sequence", *MTP],
     "global": ["--model.moe.aux_loss_coef=0.1", "--model.moe.aux_loss_type=global_batch"],  # tp takes no MTP
+    # the first pipeline stage (layers 0-1 of 4) holds no MoE layer, yet runs the counting pass its peer runs
+    "global-dense-first": ["--model.moe.aux_loss_coef=0.1", "--model.moe.aux_loss_type=global_batch",
+                           "--model.moe.first_k_dense=2"],
 }
 # (objective, layout): ep=2 x dp=2 (ep borrows 2 of the 4 data-parallel ranks), pp=2 x dp=2, ep=2 x pp=2 (the
 # MTP block's experts under EP on the last stage), tp=2 x dp=2, cp=2 x dp=2 with ep=2
@@ -30,6 +33,7 @@ CASES = {
     "sequence-mtp ep2-pp2": ("sequence-mtp", ["--parallel.ep=2", "--parallel.pp=2"]),
     "global tp2-dp2": ("global", ["--parallel.tp=2"]),  # the MoE folded over tp: tp ranks route their own tokens
     "global cp2-ep2-dp2": ("global", ["--parallel.cp=2", "--parallel.ep=2"]),  # cp ranks route their chunks
+    "global-dense-first pp2-dp2": ("global-dense-first", ["--parallel.pp=2"]),
 }
 
 
@@ -38,7 +42,7 @@ def _cfg(run_dir, *extra):
 
 
 KEYS = {"global-mtp": ("loss", "grad_norm", "mtp_loss"), "sequence-mtp": ("loss", "grad_norm", "mtp_loss"),
-        "global": ("loss", "grad_norm")}
+        "global": ("loss", "grad_norm"), "global-dense-first": ("loss", "grad_norm")}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +68,8 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
 
 def test_objective_layouts_match_one_process(one_process, tmp_path):
     _assert_same(one_process["accumulated"], one_process["global-mtp"], "micro_batch=2")
-    picked = {name: case for name, case in CASES.items() if not refused_on_old_torch([*OBJECTIVES[case[0]], *case[1]])}
+    picked = {name: case for name, case in CASES.items()
+              if not refused_on_old_torch([*BASE, *OBJECTIVES[case[0]], *case[1]])}
     cases = [(name, [*BASE, *OBJECTIVES[objective], *layout], str(tmp_path / name.replace(" ", "_")), False)
              for name, (objective, layout) in picked.items()]
     results = launch(4, cases)

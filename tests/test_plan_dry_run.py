@@ -36,7 +36,6 @@ from moeflow.plan.layout import Job, Layout
 from moeflow.plan.memory import GB, model_state_per_rank
 from moeflow.plan.search import Constraints, memory_layout
 from moeflow.train.dry_run import BYTES, dry_run, rank_state
-from tests.conftest import old_torch
 
 SEQ, GPUS_PER_NODE, TOP, REL = 4096, 8, 5, 0.05
 PLANNER_BYTES = {"params": 2, "grads": 2, "optimizer": 12}  # bf16 weights and grads, fp32 AdamW state (16 / param)
@@ -153,11 +152,8 @@ def test_qwen3_tp4_pp4_ep8_at_1024_ranks_near_ideal():
     """qwen3-moe-30b-a3b at tp=4 x pp=4 x ep=8 (ZeRO-3) on 1024 ranks: no rank holds more than 1.1x the ideal
     total / N of parameters, gradients or optimizer state."""
     world = 1024
-    # torch 2.11 refuses the preset's global-batch balance loss under pp (moeflow/parallel/torch_compat.py); the
-    # balance loss holds no state, so the micro-batch one leaves every byte this test counts as it was
-    balance = {"model.moe.aux_loss_type": "micro_batch"} if old_torch() else {}
     cfg = load_config(None, {"model.name": "qwen3-moe-30b-a3b", "parallel.tp": 4, "parallel.pp": 4,
-                             "parallel.ep": 8, "data.seq_len": SEQ, "training.global_batch": 1024, **balance})
+                             "parallel.ep": 8, "data.seq_len": SEQ, "training.global_batch": 1024})
     out = dry_run(cfg, world)
     assert out["ranks"][0]["dims"] == {"dp_replicate": 1, "dp_shard": 64, "tp": 4, "pp": 4, "ep": 8, "cp": 1}
     _conserves_parameters(out, cfg)

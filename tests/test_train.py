@@ -9,7 +9,7 @@ import pytest
 from moeflow.config import load_config, parse_overrides
 from moeflow.train.step import NonFiniteLossError
 from moeflow.train.trainer import train
-from tests.conftest import run_cli
+from tests.conftest import old_torch, run_cli
 
 
 def _cfg(tiny_args, run_dir, *extra):
@@ -242,9 +242,9 @@ def test_compiled_blocks_train_the_same_steps(tiny_args, tmp_path):
 
 def test_bf16_autocast_trains_the_fp32_steps_within_a_tolerance(tiny_args, tmp_path):
     """bf16 autocast (weights and AdamW state stay fp32) against the same 8 steps in fp32: every loss within 2e-3
-    relative and every gradient norm within 5e-2 (measured here: 3e-4 and 3.3e-3; on torch 2.11, whose random
-    initialisation differs, 4e-4 and 3.3e-2 at one step), yet not bit-equal at step 1 (autocast is on). Under ep, tp
-    and pp: tests/test_layouts.py."""
+    relative and every gradient norm within 2e-2 (measured here: 3e-4 and 3.3e-3; on torch 2.11, whose random
+    initialisation differs, 4e-4 and 3.3e-2 at one step, hence 5e-2 there), yet not bit-equal at step 1 (autocast is
+    on). Under ep, tp and pp: tests/test_layouts.py."""
     runs = {}
     for dtype in ("fp32", "bf16"):
         summary = train(_cfg(tiny_args, tmp_path / dtype, "--training.steps=8", f"--training.dtype={dtype}",
@@ -254,7 +254,7 @@ def test_bf16_autocast_trains_the_fp32_steps_within_a_tolerance(tiny_args, tmp_p
     (fp32, fp32_norms, _), (bf16, bf16_norms, summary) = runs["fp32"], runs["bf16"]
     assert bf16[1] != fp32[1]
     assert bf16 == pytest.approx(fp32, rel=2e-3)
-    assert bf16_norms == pytest.approx(fp32_norms, rel=5e-2)
+    assert bf16_norms == pytest.approx(fp32_norms, rel=5e-2 if old_torch() else 2e-2)
     assert summary["final_loss"] < 0.9 * summary["first_loss"]
 
 

@@ -61,6 +61,7 @@ from moeflow.parallel.runner import (
     clear_global_selections,
     global_batch_routers,
     local_token_scale,
+    pipeline_counts_first,
     router_layers,
     supply_global_selections,
 )
@@ -208,8 +209,9 @@ class PipelineRunner:
         self.autocast = contextlib.nullcontext  # the trainer's bf16 autocast covers the whole schedule step
         self.objective = scaled_loss.loss_fn if isinstance(scaled_loss.loss_fn, MTPObjective) else None
         self.balanced = global_batch_routers({i: r for s in stages for i, r in s.routers.items()})
+        self.counts_first = pipeline_counts_first(stages[0].submod.cfg)  # the same on every pp rank
         why = pipeline_refusal(schedule_name, SCHEDULES[schedule_name].placement == "v", dist.get_backend(pp_group),
-                               getattr(getattr(stages[0].submod, "cfg", None), "mtp_depth", 0), bool(self.balanced))
+                               self.objective.depth if self.objective else 0, self.counts_first)
         if why:
             raise ValueError(why)
         self.balance_groups = list(balance_groups)
@@ -251,7 +253,7 @@ class PipelineRunner:
         summed loss x loss_scale). Returns that scaled loss on the rank holding the last stage, else None."""
         clear_global_selections(self.balanced)
         try:
-            if self.balanced:  # the counting pass: forward only, then one all-reduce per balance group
+            if self.counts_first:  # the counting pass: forward only, then one all-reduce per balance group
                 self._count(self.schedule.eval, inputs, targets, loss_scale, model_kwargs)
                 counts = {i: s.router_selected[i] for s in self.stages for i in s.routers if i in self.balanced}
                 supply_global_selections(self.balanced, counts, self.balance_groups)

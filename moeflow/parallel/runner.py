@@ -66,6 +66,15 @@ def global_batch_routers(routers: dict[int, Router]) -> dict[int, Router]:
     return {i: r for i, r in routers.items() if r.cfg.aux_loss_type == "global_batch" and r.cfg.aux_loss_coef > 0}
 
 
+def pipeline_counts_first(cfg) -> bool:
+    """Whether a pipeline's steps start with the global-batch balance loss's counting pass (a forward-only pass of
+    the whole pipeline). Decided from the model config (a `ModelConfig`), so that every pp rank agrees: a rank whose
+    stages hold no MoE layer still has to run the forward-only pass its peers run."""
+    moe = cfg.moe
+    return (cfg.is_moe and (cfg.num_moe_layers > 0 or cfg.mtp_depth > 0) and moe.aux_loss_type == "global_batch"
+            and moe.aux_loss_coef > 0)
+
+
 def supply_global_selections(routers: dict[int, Router], counts: dict[int, torch.Tensor], groups=()) -> None:
     """Sum each router's selection counts over the process `groups` of the ranks that route other tokens (none:
     one rank; moeflow.parallel.parallelize._balance_groups) in one all-reduce per group and hand them over

@@ -1,7 +1,7 @@
 """What moeflow cannot do on torch older than 2.13, as one clear error instead of torch's own failure mid-step.
 
 moeflow is developed on torch 2.13 and also runs on 2.11 (the release in a lent GPU machine's image). On 2.11 the
-whole suite passes except what is refused here (and MXFP8, `parallel.fp8`), each checked there:
+whole suite passes except what is refused here (and MXFP8, `training.fp8`), each checked there:
 - V-shaped pipeline schedules on gloo: a rank holds two neighbouring stages, and torch 2.11 connects them by a send
   to itself, which gloo refuses ("Pair is not connected").
 - A pipeline whose first pass is forward-only (the global-batch balance loss counts expert loads so) or whose
@@ -21,7 +21,7 @@ def torch_minor() -> tuple[int, int]:
 
 def pipeline_refusal(schedule: str, v_shaped: bool, backend: str, mtp_depth: int, counting_pass: bool) -> str | None:
     """Why this pipeline cannot run on this torch (None: it can)."""
-    if torch_minor() >= (2, 13):
+    if torch_minor() >= (2, 13) or backend == "fake":  # a dry run (moeflow.train.dry_run) takes no step
         return None
     here = f"torch {torch.__version__}"
     if v_shaped and backend == "gloo":
@@ -31,7 +31,7 @@ def pipeline_refusal(schedule: str, v_shaped: bool, backend: str, mtp_depth: int
     if counting_pass:
         return (f"model.moe.aux_loss_type = 'global_batch' under parallel.pp > 1 starts each step with a forward-only "
                 f"pass, after which {here}'s pipeline stages compute no input gradients: use torch 2.13 or newer, "
-                f"or aux_loss_type = 'sequence'")
+                f"or aux_loss_type = 'micro_batch'")
     if mtp_depth:
         return (f"model.mtp_depth = {mtp_depth} under parallel.pp > 1: evaluation returns fewer positions than "
                 f"training, which {here}'s pipeline stages refuse: use torch 2.13 or newer")
