@@ -31,7 +31,6 @@ def run_cli(args, env=None, timeout=300):
 
 # moeflow also runs on torch 2.11 (a lent GPU machine's image), where moeflow/parallel/torch_compat.py refuses some
 # pipelines; the suite leaves those cases out there (on 2.13, what `make test` installs, it runs every case).
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
 def old_torch() -> bool:

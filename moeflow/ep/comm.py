@@ -22,6 +22,8 @@ import torch.distributed as dist
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+_NEW_GROUP_PARAMS = inspect.signature(dist.new_group).parameters
+
 
 def new_group_in_order(ranks: list[int]):
     """`dist.new_group` whose group ranks follow `ranks` as given. Older torch (2.11, for one) has no `sort_ranks`
@@ -32,9 +34,6 @@ def new_group_in_order(ranks: list[int]):
         raise RuntimeError(f"torch {torch.__version__} numbers a process group's ranks in ascending order, and this "
                            f"group's ranks {ranks} are not; torch 2.13 or newer keeps the given order")
     return dist.new_group(ranks)
-
-
-_NEW_GROUP_PARAMS = inspect.signature(dist.new_group).parameters
 
 
 @dataclass
