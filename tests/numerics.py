@@ -30,8 +30,8 @@ def assert_same_up_to_order(got: torch.Tensor, want: torch.Tensor, reduction: in
         assert got is want, (what, got, want)
         return
     assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
-    err = float((got.double() - want.double()).norm())
-    scale = float(want.double().norm())
+    err = float((got.detach().double() - want.detach().double()).norm())
+    scale = float(want.detach().double().norm())
     assert err <= order_bound(reduction) * scale, (
         f"{what}: |got - want| = {err:.3g} > {order_bound(reduction):.3g} x |want| ({scale:.3g}), "
         f"the bound for reductions of {reduction} in fp32")
