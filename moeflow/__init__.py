@@ -5,7 +5,7 @@ Importing `moeflow` is cheap (no torch); the heavy names load on first use.
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "parallelize", "ParallelDims", "ParallelState"]
+__all__ = ["__version__", "parallelize", "ParallelDims", "ParallelOptions", "ParallelState"]
 
 
 def __getattr__(name: str):
@@ -18,6 +18,10 @@ def __getattr__(name: str):
         from moeflow.layout import ParallelDims
 
         return ParallelDims
+    if name == "ParallelOptions":
+        from moeflow.parallel.options import ParallelOptions
+
+        return ParallelOptions
     if name == "ParallelState":
         from moeflow.parallel.state import ParallelState
 

@@ -158,7 +158,7 @@ def case_model(groups, kind: str, cp: int, ignore_rank0: bool = False):
     inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()  # shifted on the whole sequence
     ref = _model(kind)
     model = copy.deepcopy(ref)
-    state = moeflow.parallelize(model, cp=cp)
+    state = moeflow.parallelize(model, moeflow.ParallelDims(world, cp=cp))
     dp, dp_rank, cp_rank = world // cp, state.dp_rank, state.cp_mesh.get_local_rank()
     assert dist.get_process_group_ranks(state.cp_mesh.get_group()) == [dp_rank * cp + r for r in range(cp)]
     pos = torch.tensor(positions(S, cp_rank, cp))

@@ -153,13 +153,16 @@ def test_gradient_accumulation_equals_one_forward(aux_loss_type):
 
 def test_global_batch_loss_under_activation_checkpointing():
     """Recomputed blocks take the counting pass (parallelize sees to it): gradients as without recomputation."""
+    from moeflow.layout import ParallelDims
+    from moeflow.parallel.options import ParallelOptions
     from moeflow.parallel.parallelize import parallelize
 
     tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(2))
     grads = []
     for ac in ("none", "full"):
         model = _tiny("global_batch")
-        parallelize(model, activation_checkpointing=ac).runner.train_step(tokens[:, :-1], tokens[:, 1:])
+        state = parallelize(model, ParallelDims(1), ParallelOptions(activation_checkpointing=ac))
+        state.runner.train_step(tokens[:, :-1], tokens[:, 1:])
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
 

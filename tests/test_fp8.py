@@ -7,8 +7,10 @@ import pytest
 import torch
 from torch import nn
 
+from moeflow.layout import ParallelDims
 from moeflow.models.config import ModelConfig, MoEConfig
 from moeflow.models.transformer import Transformer
+from moeflow.parallel.options import ParallelOptions
 from moeflow.parallel.parallelize import parallelize
 from moeflow.parallel.torch_compat import torch_minor
 
@@ -32,7 +34,7 @@ def _model(cfg: ModelConfig) -> Transformer:
 @MXFP8
 def test_mxfp8_converts_exactly_the_intended_modules():
     model = _model(MOE)
-    parallelize(model, fp8="mxfp8")
+    parallelize(model, ParallelDims(1), ParallelOptions(fp8="mxfp8"))
     wrapped = {n for n, p in model.named_parameters() if type(p).__name__ == "MXFP8TrainingWeightWrapperTensor"}
     dense = [f"layers.{i}.attention.{w}" for i in (0, 1) for w in ("wq", "wk", "wv", "wo")]
     dense += [f"layers.0.feed_forward.{w}" for w in ("w1", "w2", "w3")]
@@ -46,7 +48,7 @@ def test_mxfp8_converts_exactly_the_intended_modules():
 
 def test_tensorwise_converts_the_dense_linears_that_fit_the_kernels():
     model = _model(DENSE)
-    parallelize(model, fp8="tensorwise")
+    parallelize(model, ParallelDims(1), ParallelOptions(fp8="tensorwise"))
     converted = {n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
     assert converted == {f"layers.{i}.attention.{w}" for i in (0, 1) for w in ("wq", "wk", "wv", "wo")}
     assert type(model.output) is nn.Linear and type(model.layers["0"].feed_forward.w1) is nn.Linear
@@ -56,7 +58,7 @@ def _train(model: Transformer, fp8: str, steps: int) -> list[float]:
     """Losses of `steps` AdamW steps on one learnable batch: each row a random walk of +1 / +2 steps mod 64, so
     the next token depends on the context and the loss falls far (uniform random tokens keep every loss near
     ln 64, however broken the layers, and a loss tolerance then tests nothing)."""
-    runner = parallelize(model, fp8=fp8).runner
+    runner = parallelize(model, ParallelDims(1), ParallelOptions(fp8=fp8)).runner
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(7)
     start, hops = torch.randint(0, 64, (4, 1), generator=g), torch.randint(1, 3, (4, 32), generator=g)
@@ -90,7 +92,7 @@ def test_emulated_fp8_training_tracks_high_precision(cfg, fp8):
 
 def test_refusals(monkeypatch):
     with pytest.raises(ValueError, match="FP8 rowwise grouped GEMM, which needs CUDA.*no CPU emulation"):
-        parallelize(_model(MOE), fp8="rowwise")
+        parallelize(_model(MOE), ParallelDims(1), ParallelOptions(fp8="rowwise"))
     from moeflow.config import load_config
 
     with pytest.raises(ValueError, match="data.seq_len \\(100\\) must be a multiple of 32"):
@@ -103,12 +105,12 @@ def test_refusals(monkeypatch):
 
     monkeypatch.setattr(fp8, "torch_minor", lambda: (2, 11))  # torchao would assert mid-conversion
     with pytest.raises(ValueError, match="'mxfp8' needs torch 2.13 or newer"):
-        parallelize(_model(MOE), fp8="mxfp8")
+        parallelize(_model(MOE), ParallelDims(1), ParallelOptions(fp8="mxfp8"))
     find_spec = fp8.importlib.util.find_spec
     monkeypatch.setattr(fp8.importlib.util, "find_spec",
                         lambda name, *args: None if name == "torchao" else find_spec(name, *args))
     with pytest.raises(ValueError, match="needs torchao: pip install"):
-        parallelize(_model(DENSE), fp8="tensorwise")
+        parallelize(_model(DENSE), ParallelDims(1), ParallelOptions(fp8="tensorwise"))
 
 
 @MXFP8
@@ -129,7 +131,7 @@ def test_checkpoints_stay_high_precision(tmp_path):
     plain = Transformer(MOE)
     CheckpointManager(tmp_path, keep=1, rank=0).load(path, plain, torch.optim.AdamW(plain.parameters()))
     converted = _model(MOE)
-    parallelize(converted, fp8="mxfp8")
+    parallelize(converted, ParallelDims(1), ParallelOptions(fp8="mxfp8"))
     CheckpointManager(tmp_path, keep=1, rank=0).load(path, converted, torch.optim.AdamW(converted.parameters()))
     for name, tensor in want.items():
         assert type(tensor) is torch.Tensor and tensor.dtype == torch.float32, name

@@ -334,7 +334,7 @@ def case_hf_parallelize(arch: str, tp: int = 1, ep: int = 1, steps: int = 3):
     from moeflow.parallel.loss import tp_loss
 
     ref = hf_model(arch)
-    state = moeflow.parallelize(copy.deepcopy(ref), tp=tp, ep=ep)
+    state = moeflow.parallelize(copy.deepcopy(ref), moeflow.ParallelDims(dist.get_world_size(), tp=tp, ep=ep))
     par = state.model
     dp, dp_rank = state.dims.dp, dist.get_rank() // tp  # mesh order (..., ep, tp): tp is innermost
     tokens, targets = batch(64, B=4)
@@ -409,18 +409,22 @@ def case_bad_inputs():
 
     import moeflow
     from moeflow.layout import ParallelDims
-    from moeflow.parallel.tensor import apply_tensor_parallel, check_hf_tp, tp_plan
+    from moeflow.parallel.adapter import adapter_for
+    from moeflow.parallel.tensor import apply_tensor_parallel, tp_plan
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     # tp = 2 does not divide 3 kv heads: parallelize refuses before touching the model
-    _expect(lambda: moeflow.parallelize(moeflow_model("dense", n_heads=6, n_kv_heads=3, head_dim=8), tp=2),
+    _expect(lambda: moeflow.parallelize(moeflow_model("dense", n_heads=6, n_kv_heads=3, head_dim=8),
+                                        ParallelDims(world, tp=2)),
             "parallel.tp (2) must divide model.n_kv_heads (3)", "[1, 3]")
     _expect(lambda: ParallelDims(8, tp=8).check_model(moeflow_model("dense").cfg),
             "parallel.tp (8) must divide model.n_heads (4)")
-    _expect(lambda: check_hf_tp(hf_model("llama"), 3), "num_attention_heads (4) in the Hugging Face config")
+    _expect(lambda: adapter_for(hf_model("llama")).check_tp_widths(3),
+            "num_attention_heads (4) in the Hugging Face config")
     # context parallelism needs moeflow's attention core; refused before any group or swap
-    _expect(lambda: moeflow.parallelize(hf_model("llama"), cp=2), "parallel.cp = 2 for a LlamaForCausalLM",
+    _expect(lambda: moeflow.parallelize(hf_model("llama"), ParallelDims(world, cp=2)),
+            "parallel.cp = 2 for a LlamaForCausalLM",
             "moeflow.models.hf.from_pretrained")
     # a Linear no pattern covers
     model = moeflow_model("dense")
@@ -485,14 +489,16 @@ def case_parallelize_adds_no_attributes():
     import moeflow
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    layouts = [dict(), dict(activation_checkpointing="full")]
+    full = moeflow.ParallelOptions(activation_checkpointing="full")
+    layouts = [(dict(), None), (dict(), full)]
     if world == 2:
-        layouts += [dict(ep=2), dict(tp=2), dict(pp=2, pp_schedule="GPipe", microbatches=2), dict(zero=1),
-                    dict(ep=2, activation_checkpointing="full"), dict(cp=2), dict(cp=2, ep=2)]
-    for layout in layouts:
+        layouts += [(dict(ep=2), None), (dict(tp=2), None),
+                    (dict(pp=2, pp_schedule="GPipe"), moeflow.ParallelOptions(microbatches=2)), (dict(zero=1), None),
+                    (dict(ep=2), full), (dict(cp=2), None), (dict(cp=2, ep=2), None)]
+    for layout, options in layouts:
         model = moeflow_model("moe", tie_embeddings=False)
         before = {name: set(vars(m)) for name, m in model.named_modules()}
-        state = moeflow.parallelize(model, **layout)
+        state = moeflow.parallelize(model, moeflow.ParallelDims(world, **layout), options)
         assert state.model is model and state.runner is not None, layout
         for name, module in model.named_modules():
             added = {a for a in set(vars(module)) - before.get(name, set())

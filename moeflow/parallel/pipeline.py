@@ -63,6 +63,7 @@ from moeflow.parallel.runner import (
     local_token_scale,
     pipeline_counts_first,
     router_layers,
+    set_router_loss_scale,
     supply_global_selections,
 )
 from moeflow.parallel.torch_compat import pipeline_refusal
@@ -199,14 +200,16 @@ class PipelineRunner:
     """One training or evaluation step of this rank's stages; built by `build_schedule`."""
 
     def __init__(self, schedule, stages: list[_RouterLoadStage], schedule_name: str, n_microbatches: int,
-                 pp_group, last_stage_rank: int, scaled_loss: _ScaledLoss, balance_groups=()):
+                 pp_group, last_stage_rank: int, scaled_loss: _ScaledLoss, balance_groups=(),
+                 token_scale: Callable = local_token_scale, autocast: Callable = contextlib.nullcontext,
+                 folded_tp: int = 1):
         self.schedule, self.stages, self.schedule_name = schedule, stages, schedule_name
         self.scaled_loss = scaled_loss
-        self.token_scale = local_token_scale  # the default loss scale (moeflow.parallel.runner)
+        self.token_scale = token_scale  # the loss scale when the caller passes none (moeflow.parallel.runner)
         self.n_microbatches, self.pp_group, self.last_stage_rank = n_microbatches, pp_group, last_stage_rank
         self.has_first_stage = any(s.is_first for s in stages)
         self.has_last_stage = any(s.is_last for s in stages)
-        self.autocast = contextlib.nullcontext  # the trainer's bf16 autocast covers the whole schedule step
+        self.autocast = autocast  # covers the whole schedule step
         self.objective = scaled_loss.loss_fn if isinstance(scaled_loss.loss_fn, MTPObjective) else None
         self.balanced = global_batch_routers({i: r for s in stages for i, r in s.routers.items()})
         self.counts_first = pipeline_counts_first(stages[0].submod.cfg)  # the same on every pp rank
@@ -218,8 +221,8 @@ class PipelineRunner:
         self._extra: dict[str, torch.Tensor] = {}
         for stage in stages:
             stage.reset_router_loads()
-            for router in stage.routers.values():
-                router.aux_loss_scale = 1.0  # the schedule divides every gradient by n_microbatches itself
+            # the schedule divides every gradient by n_microbatches itself
+            set_router_loss_scale(stage.routers.values(), 1.0, folded_tp)
 
     def _check_batch(self, inputs: torch.Tensor | None) -> None:
         if inputs is not None and inputs.shape[0] % self.n_microbatches:
@@ -367,6 +370,9 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mean_cross_entropy,
     microbatch_shape: tuple | None = None,
     balance_groups=(),
+    token_scale: Callable = local_token_scale,
+    autocast: Callable = contextlib.nullcontext,
+    folded_tp: int = 1,
 ) -> PipelineRunner:
     """Wrap this rank's stage modules (as `build_stage_modules` returned them, after any FSDP / EP
     wrapping) in PipelineStages and the named schedule. `loss_fn(logits, targets, reduction='sum')` sums over
@@ -398,4 +404,4 @@ def build_schedule(
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=True)
     last_stage_rank = stage_rank(num_stages - 1, pp_size, num_stages, info.placement)
     return PipelineRunner(schedule, stages, name, n_microbatches, pp_group, last_stage_rank, scaled_loss,
-                          balance_groups)
+                          balance_groups, token_scale, autocast, folded_tp)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -89,9 +90,33 @@ def supply_global_selections(routers: dict[int, Router], counts: dict[int, torch
         routers[i].global_selected = row
 
 
+def set_router_loss_scale(routers, per_forward: float, folded_tp: int = 1) -> None:
+    """The one writer of Router.aux_loss_scale, called by a runner when it is built: the weight of one forward's
+    balance and z losses in the step's gradient (1 / micro-batches under gradient accumulation, 1 under a pipeline
+    schedule, which divides every gradient itself). With the MoE folded over tp (`folded_tp` ranks), each tp rank's
+    losses average its own tokens and the router's gradient is summed over the tp ranks: 1/tp each makes the sum
+    their mean (as over data-parallel ranks; with the global-batch loss, exactly one process's gradient)."""
+    for router in routers:
+        router.aux_loss_scale = per_forward / folded_tp
+
+
 def clear_global_selections(routers: dict[int, Router]) -> None:
     for router in routers.values():
         router.global_selected = None
+
+
+class StepRunner(Protocol):
+    """What the trainer steps through (the module doc): LocalRunner here, PipelineRunner in moeflow.parallel.pipeline.
+    Both are built whole by parallelize (autocast, loss scale and router loss weights given at construction)."""
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale=None,
+                   **model_kwargs) -> torch.Tensor: ...
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs) -> torch.Tensor: ...
+
+    def router_loads(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def extra_losses(self) -> dict[str, torch.Tensor]: ...
 
 
 class LocalRunner:
@@ -102,14 +127,14 @@ class LocalRunner:
 
     def __init__(self, model: nn.Module, loss_fn: Callable, microbatches: int = 1,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 keep_gathered: bool = False, balance_groups=(), count_first: bool = False):
+                 keep_gathered: bool = False, balance_groups=(), count_first: bool = False,
+                 token_scale: Callable[[torch.Tensor], torch.Tensor] = local_token_scale, folded_tp: int = 1):
         self.model, self.loss_fn, self.microbatches, self.autocast = model, loss_fn, microbatches, autocast
         self.keep_gathered = keep_gathered  # ZeRO-1: FSDP2 reshards only after the last micro-batch
-        self.token_scale: Callable[[torch.Tensor], torch.Tensor] = local_token_scale  # the default loss scale
+        self.token_scale = token_scale  # the loss scale when the caller passes none
         self.routers = router_layers([model]) if hasattr(model, "layers") else {}
-        for router in self.routers.values():
-            # The aux loss rides on the routing weights' gradient, per micro-batch like the main loss.
-            router.aux_loss_scale = 1.0 / microbatches
+        # The aux loss rides on the routing weights' gradient, per micro-batch like the main loss.
+        set_router_loss_scale(self.routers.values(), 1.0 / microbatches, folded_tp)
         self.balanced = global_batch_routers(self.routers)
         self.balance_groups, self.count_first = list(balance_groups), count_first or microbatches > 1
         self._loads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

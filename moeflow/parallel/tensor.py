@@ -64,11 +64,10 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from moeflow.errors import divisors
 from moeflow.layout.dims import MLA_TP_UNSUPPORTED
 
 HOW_TO_PASS_A_PLAN = (
-    "pass a plan: parallelize(model, tp=..., tp_plan={'<fqn pattern>': ColwiseParallel(), ...}) "
+    "pass a plan: parallelize(model, dims, ParallelOptions(tp_plan={'<fqn pattern>': ColwiseParallel(), ...})) "
     "(styles from torch.distributed.tensor.parallel and moeflow.parallel.tensor)"
 )
 
@@ -246,161 +245,121 @@ def _moe_style(fold_experts: bool) -> ParallelStyle:
     return LocalTokens() if fold_experts else ReplicatedModule()
 
 
-def _moeflow_plan(model: nn.Module, loss_parallel: bool, fold_experts: bool) -> dict[str, ParallelStyle]:
-    cfg = model.cfg
-    if cfg.attention == "mla":  # no plan for latent attention's low-rank projections yet
+def _attention_gather(names) -> ParallelStyle:
+    """All-gather the sequence into the attention: its hidden states come positionally (with the RoPE tables
+    beside them) or by keyword (Hugging Face layers call self_attn(hidden_states=..., position_embeddings=...),
+    whose (cos, sin) cover all S positions: the rotary module sees the residual DTensor's global shape)."""
+    if names.attention_input is None:
+        return _gather_sequence(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
+    return _gather_sequence(input_kwarg_layouts={names.attention_input: Shard(1)},
+                            desired_input_kwarg_layouts={names.attention_input: Replicate()})
+
+
+def _qk_norm_style(attention: nn.Module, names) -> ParallelStyle | None:
+    """Per head (Qwen3: a [Dh] weight) or over all heads (OLMoE, OLMo2: the projection's whole width)."""
+    q_norm = getattr(attention, "q_norm", None)
+    if q_norm is None or getattr(q_norm, "weight", None) is None:
+        return None
+    if q_norm.weight.numel() == attention.head_dim:
+        return HeadShardedNorm(head_dim_index=names.per_head_norm_dim)
+    return WidthShardedNorm()
+
+
+def _module(model: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at a dotted path, or None where any part is missing (or None: a pipeline stage's)."""
+    for part in path.split("."):
+        model = getattr(model, part, None)
+        if model is None:
+            return None
+    return model
+
+
+def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) -> dict[str, ParallelStyle]:
+    """One plan for every family, addressed by the family's module names (moeflow.parallel.adapter)."""
+    names = adapter.names
+    if adapter.is_mla:  # no plan for latent attention's low-rank projections yet
         raise ValueError(MLA_TP_UNSUPPORTED)
+    layers = {str(k): block for k, block in adapter.blocks().items() if not str(k).startswith("mtp.")}
+    for key, block in layers.items():
+        attention = getattr(block, names.attention, None)
+        if attention is None or not all(hasattr(attention, p) for p in (names.q, names.k, names.v, names.o)):
+            raise ValueError(f"{type(model).__name__}: layer {key} has no {names.attention}.{names.q}/{names.k}/"
+                             f"{names.v}/{names.o}; no built-in tensor-parallel plan; {HOW_TO_PASS_A_PLAN}")
+    block, attn = f"{names.layers}.*", f"{names.layers}.*.{names.attention}"
     plan: dict[str, ParallelStyle] = {}
-    if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = _embedding_style()
+    if _module(model, names.embedding) is not None:
+        plan[names.embedding] = _embedding_style()
     plan.update({
-        "layers.*.attention_norm": SequenceParallel(),
-        "layers.*.attention": _gather_sequence(input_layouts=(Shard(1), None, None),
-                                               desired_input_layouts=(Replicate(), None, None)),
-        "layers.*.attention.wq": ColwiseParallel(),
-        "layers.*.attention.wk": ColwiseParallel(),
-        "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": _rowwise_to_sequence(),
-        "layers.*.ffn_norm": SequenceParallel(),
+        f"{block}.{names.attention_norm}": SequenceParallel(),
+        attn: _attention_gather(names),
+        f"{attn}.{names.q}": ColwiseParallel(),
+        f"{attn}.{names.k}": ColwiseParallel(),
+        f"{attn}.{names.v}": ColwiseParallel(),
+        f"{attn}.{names.o}": _rowwise_to_sequence(),
+        f"{block}.{names.ffn_norm}": SequenceParallel(),
     })
-    if cfg.qk_norm == "per_head":  # applied to q_BHSDh: heads on dim 1
-        plan["layers.*.attention.q_norm"] = HeadShardedNorm(head_dim_index=1)
-        plan["layers.*.attention.k_norm"] = HeadShardedNorm(head_dim_index=1)
-    elif cfg.qk_norm == "full":  # applied to the colwise output [B, S, H/tp * Dh]
-        plan["layers.*.attention.q_norm"] = WidthShardedNorm()
-        plan["layers.*.attention.k_norm"] = WidthShardedNorm()
-    by_kind = _layer_patterns("layers", dict(model.layers.items()),
-                              lambda block: "moe" if _is_moe(block.feed_forward) else "dense")
+    qk_norm = _qk_norm_style(getattr(next(iter(layers.values())), names.attention), names)
+    if qk_norm is not None:
+        plan[f"{attn}.q_norm"] = plan[f"{attn}.k_norm"] = qk_norm
+
+    def ffn_kind(layer):
+        ffn = getattr(layer, names.ffn, None)
+        if ffn is not None and _is_moe(ffn):
+            return "moe"
+        if ffn is not None and all(hasattr(ffn, p) for p in (names.gate, names.up, names.down)):
+            return "dense"
+        return "unknown"
+
+    by_kind = _layer_patterns(names.layers, layers, ffn_kind)
+    if "unknown" in by_kind:
+        raise ValueError(f"{type(model).__name__}: layers {by_kind['unknown'][:4]} have a {names.ffn} that is neither "
+                         f"{names.gate}/{names.up}/{names.down} nor a moeflow MoE (use "
+                         f"moeflow.models.hf_live.replace_sparse_moe_blocks for HF MoE blocks); {HOW_TO_PASS_A_PLAN}")
     for pattern in by_kind.get("moe", []):
-        plan[f"{pattern}.feed_forward"] = _moe_style(fold_experts)
+        plan[f"{pattern}.{names.ffn}"] = _moe_style(fold_experts)
     for pattern in by_kind.get("dense", []):
-        plan[f"{pattern}.feed_forward"] = _gather_sequence(input_layouts=(Shard(1),),
-                                                           desired_input_layouts=(Replicate(),))
-        plan[f"{pattern}.feed_forward.w1"] = ColwiseParallel()
-        plan[f"{pattern}.feed_forward.w3"] = ColwiseParallel()
-        plan[f"{pattern}.feed_forward.w2"] = _rowwise_to_sequence()
-    if model.norm is not None:
-        plan["norm"] = SequenceParallel()
-    if model.output is not None:
-        plan["output"] = _head_style(loss_parallel)
+        ffn = f"{pattern}.{names.ffn}"
+        plan[ffn] = _gather_sequence(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan[f"{ffn}.{names.gate}"] = ColwiseParallel()
+        plan[f"{ffn}.{names.up}"] = ColwiseParallel()
+        plan[f"{ffn}.{names.down}"] = _rowwise_to_sequence()
+    if _module(model, names.final_norm) is not None:
+        plan[names.final_norm] = SequenceParallel()
+    has_embedding, has_head = _module(model, names.embedding) is not None, _module(model, names.head) is not None
+    if has_head:
+        plan[names.head] = _head_style(loss_parallel)
     # A pipeline stage without the embedding receives plain [B, S/tp, D] hidden states; one without the head
     # hands plain ones on (pipelining sends plain tensors).
-    if model.tok_embeddings is None or model.output is None:
+    if not has_embedding or not has_head:
         plan[""] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),) if model.tok_embeddings is None else None,
-            desired_input_layouts=(Shard(1),) if model.tok_embeddings is None else None,
-            output_layouts=(Shard(1),) if model.output is None else (None,),
-            desired_output_layouts=(Shard(1),) if model.output is None else (None,),
+            input_layouts=None if has_embedding else (Shard(1),),
+            desired_input_layouts=None if has_embedding else (Shard(1),),
+            output_layouts=(None,) if has_head else (Shard(1),),
+            desired_output_layouts=(None,) if has_head else (Shard(1),),
             use_local_output=True,
         )
     return plan
 
 
-def _hf_decoder(model: nn.Module) -> tuple[str, nn.Module]:
-    """('model', the decoder with embed_tokens / layers / norm) of a Hugging Face *ForCausalLM, or raise."""
-    for prefix, decoder in (("model", getattr(model, "model", None)), ("", model)):
-        if decoder is not None and all(hasattr(decoder, name) for name in ("embed_tokens", "layers", "norm")):
-            return prefix, decoder
-    raise ValueError(f"{type(model).__name__}: no built-in tensor-parallel plan (no model.embed_tokens / "
-                     f"model.layers / model.norm found); {HOW_TO_PASS_A_PLAN}")
-
-
-def _hf_plan(model: nn.Module, loss_parallel: bool, fold_experts: bool) -> dict[str, ParallelStyle]:
-    if getattr(model.config, "kv_lora_rank", None):  # no plan for latent attention's low-rank projections yet
-        raise ValueError(MLA_TP_UNSUPPORTED)
-    prefix, decoder = _hf_decoder(model)
-    at = f"{prefix}." if prefix else ""
-    layers = {str(i): layer for i, layer in enumerate(decoder.layers)}
-    for name, layer in layers.items():
-        attn = getattr(layer, "self_attn", None)
-        if attn is None or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-            raise ValueError(f"{type(model).__name__}: layer {name} has no self_attn.q_proj/k_proj/v_proj/o_proj; "
-                             f"no built-in tensor-parallel plan; {HOW_TO_PASS_A_PLAN}")
-    plan: dict[str, ParallelStyle] = {
-        f"{at}embed_tokens": _embedding_style(),
-        f"{at}layers.*.input_layernorm": SequenceParallel(),
-        # HF decoder layers call self_attn(hidden_states=..., position_embeddings=(cos, sin), ...) by keyword;
-        # (cos, sin) cover all S positions (the rotary module sees the global shape of the residual DTensor).
-        f"{at}layers.*.self_attn": _gather_sequence(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                    desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-        f"{at}layers.*.self_attn.q_proj": ColwiseParallel(),
-        f"{at}layers.*.self_attn.k_proj": ColwiseParallel(),
-        f"{at}layers.*.self_attn.v_proj": ColwiseParallel(),
-        f"{at}layers.*.self_attn.o_proj": _rowwise_to_sequence(),
-        f"{at}layers.*.post_attention_layernorm": SequenceParallel(),
-        f"{at}norm": SequenceParallel(),
-    }
-    first_attn = next(iter(layers.values())).self_attn
-    if getattr(first_attn, "q_norm", None) is not None:
-        if first_attn.q_norm.weight.numel() == first_attn.head_dim:  # Qwen3: per head, on [B, S, H, Dh]
-            qk_norm_style = HeadShardedNorm(head_dim_index=2)
-        else:  # OLMo2 / OLMoE: over the whole q_proj / k_proj output
-            qk_norm_style = WidthShardedNorm()
-        plan[f"{at}layers.*.self_attn.q_norm"] = qk_norm_style
-        plan[f"{at}layers.*.self_attn.k_norm"] = qk_norm_style
-
-    def mlp_kind(layer):
-        mlp = getattr(layer, "mlp", None)
-        if mlp is not None and _is_moe(mlp):
-            return "moe"
-        if mlp is not None and all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
-            return "dense"
-        return "unknown"
-
-    by_kind = _layer_patterns(f"{at}layers", layers, mlp_kind)
-    if "unknown" in by_kind:
-        raise ValueError(f"{type(model).__name__}: layers {by_kind['unknown'][:4]} have an mlp that is neither "
-                         f"gate/up/down_proj nor a moeflow MoE (use moeflow.models.hf_live.replace_sparse_moe_blocks "
-                         f"for HF MoE blocks); {HOW_TO_PASS_A_PLAN}")
-    for pattern in by_kind.get("moe", []):
-        plan[f"{pattern}.mlp"] = _moe_style(fold_experts)
-    for pattern in by_kind.get("dense", []):
-        plan[f"{pattern}.mlp"] = _gather_sequence(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan[f"{pattern}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"{pattern}.mlp.up_proj"] = ColwiseParallel()
-        plan[f"{pattern}.mlp.down_proj"] = _rowwise_to_sequence()
-    if getattr(model, "lm_head", None) is not None:
-        plan["lm_head"] = _head_style(loss_parallel)
-    return plan
-
-
 def tp_plan(model: nn.Module, *, loss_parallel: bool = True, fold_experts: bool = False) -> dict[str, ParallelStyle]:
     """The built-in plan for a moeflow Transformer (or a pipeline stage of one) or a Hugging Face decoder LM
-    (Llama / Qwen2 / Qwen3 / Mistral layout, MoE blocks replaced by moeflow's MoE). ValueError otherwise.
+    (attention with q/k/v/o projections, gate/up/down MLPs or MoE blocks replaced by moeflow's MoE), one plan under
+    each family's module names (moeflow.parallel.adapter.ModuleNames). ValueError otherwise.
 
     loss_parallel: the output head leaves vocab-sharded DTensor logits for tp_loss; else plain full logits.
     fold_experts: MoE layers take this rank's sequence slice (LocalTokens; their experts are spread over the tp
     ranks by expert parallelism); else every tp rank computes the whole MoE layer (ReplicatedModule).
     """
-    from moeflow.models.transformer import Transformer
+    from moeflow.parallel.adapter import adapter_for
 
-    if isinstance(model, Transformer):
-        return _moeflow_plan(model, loss_parallel, fold_experts)
-    if hasattr(model, "config") and hasattr(model.config, "num_attention_heads"):
-        return _hf_plan(model, loss_parallel, fold_experts)
-    raise ValueError(f"{type(model).__name__} has no built-in tensor-parallel plan; {HOW_TO_PASS_A_PLAN}")
+    try:
+        adapter = adapter_for(model)
+    except ValueError:
+        raise ValueError(f"{type(model).__name__} has no built-in tensor-parallel plan; {HOW_TO_PASS_A_PLAN}") from None
+    return _plan(model, adapter, loss_parallel, fold_experts)
 
 
 # ---- checks ------------------------------------------------------------------------------------------------
-
-
-def check_hf_tp(model, tp: int) -> None:
-    """ValueError unless tp divides what the built-in plan shards of a Hugging Face model: heads, kv heads and
-    the dense MLP width; latent attention (DeepSeek-V2/V3) has no plan yet. (moeflow models are checked by
-    moeflow.layout.ParallelDims.check_model.)"""
-    cfg = getattr(model, "config", model)
-    cfg = getattr(cfg, "text_config", None) or cfg  # multimodal HF configs keep the decoder's here
-    if getattr(cfg, "kv_lora_rank", None):
-        raise ValueError(MLA_TP_UNSUPPORTED)
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    sizes = [("num_attention_heads", heads), ("num_key_value_heads", kv_heads)]
-    if getattr(cfg, "intermediate_size", None):
-        sizes.append(("intermediate_size", cfg.intermediate_size))
-    for name, value in sizes:
-        if value % tp:
-            raise ValueError(f"parallel.tp ({tp}) must divide {name} ({value}) in the Hugging Face config; "
-                             f"choose tp in {divisors(value)}")
 
 
 def _pattern_matches(pattern: str, fqn: str) -> bool:

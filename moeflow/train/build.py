@@ -14,6 +14,7 @@ from moeflow.config import JobConfig
 from moeflow.layout import BatchSplit, ParallelDims
 from moeflow.models.transformer import Transformer
 from moeflow.parallel.loss import tp_loss
+from moeflow.parallel.options import ParallelOptions
 from moeflow.parallel.parallelize import parallelize
 from moeflow.parallel.state import ParallelState
 from moeflow.train.data import BatchSampler
@@ -39,6 +40,18 @@ class Setup:
     data_summary: dict = field(default_factory=dict)  # records, truncated conversations, ... (token cache path)
 
 
+def parallel_options(cfg: JobConfig, batch: BatchSplit, dims: ParallelDims, device: torch.device) -> ParallelOptions:
+    """How this job applies its layout: the job config's choices, once."""
+    t, p = cfg.training, cfg.parallel
+    dtype = torch.bfloat16 if t.dtype == "bf16" else None
+    return ParallelOptions(
+        ep_backend=p.ep_backend, ep_overlap=p.ep_overlap, ep_chunks=p.ep_overlap_chunks,
+        ep_num_worst_tokens=p.ep_num_worst_tokens, activation_checkpointing=t.activation_checkpointing,
+        compile=t.compile, fp8=t.fp8, autocast_dtype=dtype, microbatches=batch.microbatches, loss_fn=tp_loss,
+        pp_microbatch_shape=(batch.micro_batch, cfg.data.seq_len // dims.cp, dtype or torch.float32),
+        device_type="cpu" if device.type == "meta" else device.type)
+
+
 def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch: BatchSplit,
                 with_optimizer: bool = True) -> tuple[ParallelState, torch.optim.Optimizer | None, int | None]:
     """(parallel state, optimizer, Hugging Face bytes read by this rank): the model built identically on every
@@ -58,15 +71,7 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
         model = Transformer(cfg.model)
         model.init_weights(seed=t.seed)  # identical on every rank before sharding
         model.to(device)
-    bf16 = t.dtype == "bf16"
-    p = cfg.parallel
-    par = parallelize(model, dims, microbatches=batch.microbatches,
-                      activation_checkpointing=t.activation_checkpointing, ep_backend=p.ep_backend,
-                      ep_overlap=p.ep_overlap, ep_chunks=p.ep_overlap_chunks, ep_num_worst_tokens=p.ep_num_worst_tokens,
-                      autocast_dtype=torch.bfloat16 if bf16 else None, loss_fn=tp_loss, compile=t.compile,
-                      pp_microbatch_shape=(batch.micro_batch, cfg.data.seq_len // dims.cp,
-                                           torch.bfloat16 if bf16 else torch.float32),
-                      device_type="cpu" if device.type == "meta" else device.type, fp8=t.fp8)
+    par = parallelize(model, dims, parallel_options(cfg, batch, dims, device))
     bytes_read = None
     if owned_read:
         from moeflow.train.hf_sharded import load_owned

@@ -1,0 +1,189 @@
+"""Model adapters: what `parallelize` needs to know of one model family, in one place.
+
+parallelize works on modules, not on a model class, but some steps need a family's facts: where the transformer
+blocks are (FSDP wraps them, activation checkpointing and torch.compile take them one by one), what its modules
+are called (the tensor-parallel plan is one plan over a naming scheme: `ModuleNames`), which dimensions it
+supports, and its moeflow config where it has one (multi-token prediction, the pipeline's counting pass).
+
+    adapter = adapter_for(model)      # MoeflowAdapter for a moeflow Transformer, HuggingFaceAdapter for a
+                                      # transformers decoder LM; ValueError for anything else
+    adapter.check(dims)               # one line per refusal, before anything is wrapped
+    adapter.blocks() / adapter.names / adapter.config
+
+A new family is a new adapter: the steps of parallelize and the plan in moeflow.parallel.tensor stay as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from moeflow.layout import ParallelDims
+from moeflow.layout.dims import MLA_TP_UNSUPPORTED
+from moeflow.models.config import ModelConfig
+from moeflow.models.moe import MoE
+
+
+@dataclass(frozen=True)
+class ModuleNames:
+    """A family's module names, as the tensor-parallel plan addresses them (dotted paths from the model; a block's
+    children relative to the block). `attention_input` is how a block hands the attention its hidden states: the
+    first positional argument, or a keyword. `per_head_norm_dim`: the dimension of the heads in the tensors a
+    per-head query/key norm sees ([B, H, S, Dh] -> 1, [B, S, H, Dh] -> 2)."""
+
+    embedding: str
+    layers: str
+    attention_norm: str
+    attention: str
+    q: str
+    k: str
+    v: str
+    o: str
+    ffn_norm: str
+    ffn: str
+    gate: str  # the dense MLP's input projections (SwiGLU's gate and up) and its output projection
+    up: str
+    down: str
+    final_norm: str
+    head: str
+    attention_input: str | None  # None: positional; else the keyword's name
+    per_head_norm_dim: int
+
+
+MOEFLOW_NAMES = ModuleNames(
+    embedding="tok_embeddings", layers="layers", attention_norm="attention_norm", attention="attention",
+    q="wq", k="wk", v="wv", o="wo", ffn_norm="ffn_norm", ffn="feed_forward", gate="w1", up="w3", down="w2",
+    final_norm="norm", head="output", attention_input=None, per_head_norm_dim=1)
+
+HF_NAMES = ModuleNames(
+    embedding="model.embed_tokens", layers="model.layers", attention_norm="input_layernorm", attention="self_attn",
+    q="q_proj", k="k_proj", v="v_proj", o="o_proj", ffn_norm="post_attention_layernorm", ffn="mlp",
+    gate="gate_proj", up="up_proj", down="down_proj", final_norm="model.norm", head="lm_head",
+    attention_input="hidden_states", per_head_norm_dim=2)
+
+
+class ModelAdapter:
+    """The facts parallelize reads of one model family (subclasses fill them in)."""
+
+    family = "model"
+    names: ModuleNames
+    supports_pp = supports_cp = False
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    @property
+    def config(self) -> ModelConfig | None:
+        """The moeflow config of the model, where it has one."""
+        return None
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (no tensor-parallel plan for its low-rank projections yet)."""
+        return False
+
+    @property
+    def has_moe(self) -> bool:
+        return any(isinstance(m, MoE) for m in self.model.modules())
+
+    def blocks(self) -> dict[str, nn.Module]:
+        """{layer key: transformer block}, the units FSDP, activation checkpointing and torch.compile take."""
+        raise NotImplementedError
+
+    def check(self, dims: ParallelDims) -> None:
+        """ValueError (one line naming the setting, the value and what works) for sizes this model cannot take."""
+        name = type(self.model).__name__
+        if dims.pp > 1 and not self.supports_pp:
+            raise ValueError(f"parallel.pp = {dims.pp} for a {name}: pipeline parallelism is supported for moeflow "
+                             f"models only yet (load the checkpoint with moeflow.models.hf.from_pretrained to get "
+                             f"one); use tp, ep and data parallelism, or pp = 1")
+        if dims.cp > 1 and not self.supports_cp:
+            raise ValueError(f"parallel.cp = {dims.cp} for a {name}: context parallelism swaps the core of "
+                             f"moeflow's attention modules and is supported for moeflow models only yet (load the "
+                             f"checkpoint with moeflow.models.hf.from_pretrained to get one); use cp = 1")
+        if dims.tp > 1 and self.is_mla:
+            raise ValueError(MLA_TP_UNSUPPORTED)
+
+
+class MoeflowAdapter(ModelAdapter):
+    """moeflow's own Transformer (or a pipeline stage of one): every dimension; sizes checked against its config."""
+
+    family = "moeflow"
+    names = MOEFLOW_NAMES
+    supports_pp = supports_cp = True
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def is_mla(self) -> bool:
+        return self.model.cfg.attention == "mla"
+
+    def blocks(self) -> dict[str, nn.Module]:
+        # the MTP modules are blocks too, keyed 'mtp.<k>' (moeflow.models.mtp)
+        mtp = getattr(self.model, "mtp", None) or {}
+        return {**dict(self.model.layers.items()), **{f"mtp.{k}": module for k, module in mtp.items()}}
+
+    def check(self, dims: ParallelDims) -> None:
+        dims.check_model(self.model.cfg)
+        super().check(dims)
+
+
+class HuggingFaceAdapter(ModelAdapter):
+    """A transformers decoder LM (`*ForCausalLM` with model.embed_tokens / model.layers / model.norm): FSDP2,
+    expert parallelism once its sparse blocks are moeflow MoE layers (moeflow.models.hf_live), tensor parallelism
+    by the same plan under its module names."""
+
+    family = "huggingface"
+    names = HF_NAMES
+
+    @property
+    def hf_config(self):
+        cfg = self.model.config
+        return getattr(cfg, "text_config", None) or cfg  # multimodal configs keep the decoder's here
+
+    @property
+    def is_mla(self) -> bool:
+        return bool(getattr(self.hf_config, "kv_lora_rank", None))
+
+    def blocks(self) -> dict[str, nn.Module]:
+        return {str(i): block for i, block in enumerate(self.model.model.layers)}
+
+    def check(self, dims: ParallelDims) -> None:
+        super().check(dims)
+        name = type(self.model).__name__
+        if dims.ep > 1 and not self.has_moe:
+            raise ValueError(f"parallel.ep = {dims.ep} but {name} has no moeflow MoE layer; for a Hugging Face "
+                             f"MoE model call moeflow.models.hf_live.replace_sparse_moe_blocks(model) first")
+        if dims.tp > 1:
+            self.check_tp_widths(dims.tp)
+
+    def check_tp_widths(self, tp: int) -> None:
+        """tp must divide what the plan shards: heads, kv heads and the dense MLP width."""
+        from moeflow.errors import divisors
+
+        cfg = self.hf_config
+        heads = cfg.num_attention_heads
+        sizes = [("num_attention_heads", heads), ("num_key_value_heads", getattr(cfg, "num_key_value_heads", 0)
+                                                  or heads)]
+        if getattr(cfg, "intermediate_size", None):
+            sizes.append(("intermediate_size", cfg.intermediate_size))
+        for name, value in sizes:
+            if value % tp:
+                raise ValueError(f"parallel.tp ({tp}) must divide {name} ({value}) in the Hugging Face config; "
+                                 f"choose tp in {divisors(value)}")
+
+
+def adapter_for(model: nn.Module) -> ModelAdapter:
+    """The adapter of `model`'s family; ValueError naming what was expected for anything else."""
+    from moeflow.models.transformer import Transformer
+
+    if isinstance(model, Transformer):
+        return MoeflowAdapter(model)
+    inner = getattr(model, "model", None)
+    if hasattr(model, "config") and isinstance(getattr(inner, "layers", None), nn.ModuleList):
+        return HuggingFaceAdapter(model)
+    raise ValueError(f"parallelize: cannot find the transformer blocks of {type(model).__name__} (expected a "
+                     f"moeflow Transformer's .layers or a Hugging Face model's .model.layers)")
