@@ -359,9 +359,9 @@ def case_adapter_mutations() -> None:
     original_apply, original_topk = external._Dispatch.apply, external.ExternalBuffer._topk_idx
 
     def patch_kwargs(**changes):
-        def apply(lib_buffer, kwargs, box, x, w):
+        def apply(lib_buffer, kwargs, x, w):
             kwargs = {**kwargs, **{k: f(kwargs[k]) for k, f in changes.items()}}
-            return original_apply(lib_buffer, kwargs, box, x, w)
+            return original_apply(lib_buffer, kwargs, x, w)
         return lambda: setattr(external._Dispatch, "apply", apply)
 
     def restore():

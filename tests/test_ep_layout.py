@@ -156,14 +156,14 @@ def test_external_backends_explain_themselves():
 
 
 def test_ranks_per_node_defaults_to_local_world_size(monkeypatch):
-    from moeflow.ep.buffer import _resolve_ranks_per_node
+    from moeflow.ep.checks import resolve_ranks_per_node
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert _resolve_ranks_per_node(None, [0, 1, 2, 3]) == 2
-    assert _resolve_ranks_per_node(None, [4, 5]) == 2
+    assert resolve_ranks_per_node(None, [0, 1, 2, 3]) == 2
+    assert resolve_ranks_per_node(None, [4, 5]) == 2
     with pytest.raises(ValueError, match="ranks_per_node"):
-        _resolve_ranks_per_node(None, [0, 1, 2])
+        resolve_ranks_per_node(None, [0, 1, 2])
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert _resolve_ranks_per_node(None, [0, 1, 2, 3]) == 4
+    assert resolve_ranks_per_node(None, [0, 1, 2, 3]) == 4
     with pytest.raises(ValueError, match=r"ranks_per_node = 3 must divide the EP group size 4; choose one of"):
-        _resolve_ranks_per_node(3, [0, 1, 2, 3])
+        resolve_ranks_per_node(3, [0, 1, 2, 3])

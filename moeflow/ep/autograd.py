@@ -1,7 +1,7 @@
 """Autograd for communication that may be in flight: an issue node and a wait node per dispatch or combine.
 
-A dispatch (or combine) started with async_finish returns its outputs before the bytes arrive; they are
-filled when the Flight's `pending` finishes (EventOverlap.current_stream_wait()). Two autograd nodes carry it:
+A dispatch (or combine) started with async_finish returns its outputs before the bytes arrive; they are filled
+when its InFlight is waited on (EventOverlap.current_stream_wait()). Two autograd nodes carry it:
 
     x --[_Issue: start sending]--> outputs (filled later) --[_Wait: finish]--> the same outputs, ready
 
@@ -20,65 +20,50 @@ from collections.abc import Callable
 
 import torch
 
-from moeflow.ep.comm import Pending
-
-
-class Flight:
-    """One dispatch or combine: its forward communication and how to run the reverse one for gradients.
-
-    `reverse(grads, async_op)` returns the input gradients (a list), or with async_op a Pending of them."""
-
-    def __init__(self, pending: Pending, reverse: Callable, overlap: bool = True):
-        self.pending, self.reverse, self.overlap = pending, reverse, overlap
-        self.reverse_pending: Pending | None = None
-
-    def wait(self) -> None:
-        self.pending.finish()
+from moeflow.ep.inflight import InFlight
 
 
 class _Issue(torch.autograd.Function):
-    """outputs = start(*inputs): the communication may still be in flight (box['flight'] says)."""
+    """outputs = start(*inputs), whose communication may still be in flight. The InFlight comes back as the last
+    output: a Function passes a non-tensor output through as it is."""
 
     @staticmethod
-    def forward(ctx, start, box: dict, *inputs):
-        outputs, flight = start(*inputs)
-        box["flight"] = ctx.flight = flight
-        ctx.num_inputs = len(inputs)
-        return tuple(outputs)
+    def forward(ctx, start, *inputs):
+        outputs, ctx.in_flight = start(*inputs)
+        return (*outputs, ctx.in_flight)
 
     @staticmethod
     def backward(ctx, *grads):
-        flight = ctx.flight
-        if flight.reverse_pending is not None:  # started by the wait node's backward
-            result, flight.reverse_pending = flight.reverse_pending.finish(), None
-        else:
-            result = flight.reverse(list(grads), False)
-        return (None, None, *result)
+        in_flight = ctx.in_flight
+        started, in_flight.reverse_in_flight = in_flight.reverse_in_flight, None
+        if started is None:  # no wait node started it (overlap off, or the caller never called event.wait)
+            started = in_flight.reverse(list(grads[:-1]))  # the last grad is the InFlight output's (None)
+        return (None, *started.wait())
 
 
 class _Wait(torch.autograd.Function):
-    """Finish the flight; return its outputs unchanged. Backward: start the reverse communication."""
+    """Finish the communication; return its outputs unchanged. Backward: start the reverse communication."""
 
     @staticmethod
-    def forward(ctx, flight: Flight, *tensors):
-        flight.wait()
-        ctx.flight = flight
+    def forward(ctx, in_flight: InFlight, *tensors):
+        in_flight.wait()
+        ctx.in_flight = in_flight
         return tuple(t.view_as(t) if t is not None else None for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        if ctx.flight.overlap:
-            ctx.flight.reverse_pending = ctx.flight.reverse(list(grads), True)
+        if ctx.in_flight.overlap:
+            ctx.in_flight.reverse_in_flight = ctx.in_flight.reverse(list(grads))
         return (None, *grads)
 
 
-def issue(start, *inputs) -> tuple[tuple, Flight]:
-    """(outputs, flight) of start(*inputs) -> (outputs, flight), through the issue node."""
-    box: dict = {}
-    outputs = _Issue.apply(start, box, *inputs)
-    return outputs, box["flight"]
+def issue(start: Callable[..., tuple[list, InFlight]], *inputs: torch.Tensor | None) -> tuple[tuple, InFlight]:
+    """start(*inputs) -> (outputs, in_flight), run through the issue node: the outputs' gradients reach the inputs
+    through in_flight.reverse."""
+    *outputs, in_flight = _Issue.apply(start, *inputs)
+    return tuple(outputs), in_flight
 
 
-def wait(flight: Flight, *tensors) -> tuple:
-    """Finish `flight` and return `tensors` through the wait node (so backward overlaps)."""
-    return _Wait.apply(flight, *tensors)
+def wait(in_flight: InFlight, *tensors: torch.Tensor | None) -> tuple:
+    """Finish `in_flight` and return `tensors` through the wait node (so backward overlaps)."""
+    return _Wait.apply(in_flight, *tensors)

@@ -3,9 +3,9 @@
 Shape legend: n rows, B bytes per row, R members of the group, C counters per member.
 
 A group of size 1 never calls torch.distributed (moeflow runs ep=1 with no process group at all).
-`all_to_all(..., async_op=True)` returns a `Pending`: the collective is in flight (on a GPU, NCCL runs it on
-its own stream; on gloo, a worker thread moves the bytes) and `finish()` waits for it and runs what was chained
-after it. Waiting on a GPU only makes the current stream wait (no host sync).
+`all_to_all(..., async_op=True)` returns an InFlight (moeflow/ep/inflight.py): the collective is in flight (on a
+GPU, NCCL runs it on its own stream; on gloo, a worker thread moves the bytes) and `wait()` waits for it and runs
+what was chained after it. Waiting on a GPU only makes the current stream wait (no host sync).
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moeflow.ep.inflight import InFlight
+
 # torch 2.13 renamed the tensor collectives (`all_gather_into_tensor` -> `all_gather_single`, likewise
 # reduce-scatter) and deprecated the old names; 2.11 (what a lent GPU machine's image holds) has only the old ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _NEW_GROUP_PARAMS = inspect.signature(dist.new_group).parameters
+_NODE_GROUPS: dict[tuple, tuple[list, list]] = {}  # (global ranks, ranks per node) -> node_comms' groups
 
 
 def new_group_in_order(ranks: list[int]):
@@ -45,37 +48,6 @@ class EPStats:
     combine_bytes_intra: int = 0
     combine_bytes_inter: int = 0
     calls: int = 0
-
-
-class Pending:
-    """A value that is ready once `work` (a torch.distributed Work, or None) completes; `then` chains the next
-    step (which may start more collectives). `finish()` runs the chain once and returns its result."""
-
-    def __init__(self, value=None, work=None, comm: Comm | None = None, op: str = ""):
-        self._value, self._work, self._comm, self._op = value, work, comm, op
-        self._steps: list = []
-        self._done = work is None
-
-    @staticmethod
-    def ready(value) -> Pending:
-        return Pending(value)
-
-    def then(self, step) -> Pending:
-        """Apply `step(value)` after completion; if it returns a Pending, wait for that too."""
-        self._steps.append(step)
-        self._done = False
-        return self
-
-    def finish(self):
-        if not self._done:
-            if self._work is not None:
-                self._comm._wait(self._work, self._op)
-                self._work = None
-            while self._steps:
-                value = self._steps.pop(0)(self._value)
-                self._value = value.finish() if isinstance(value, Pending) else value
-            self._done = True
-        return self._value
 
 
 class Comm:
@@ -123,18 +95,18 @@ class Comm:
                    op: str, kind: str | None, async_op: bool = False):
         """One all_to_all_single of uint8 rows; records rows * B sent to other members as `kind` bytes.
         Splits None: equal blocks (a static size: no counts needed on the host). Returns the received rows,
-        or with async_op a Pending of them."""
+        or with async_op an InFlight of them."""
         if kind is not None:
             splits = send_splits or [rows_nB.shape[0] // self.size] * self.size
             self.record(kind, splits, rows_nB.shape[1])
         if self.size == 1:
-            return Pending.ready(rows_nB) if async_op else rows_nB
+            return InFlight(rows_nB) if async_op else rows_nB
         n_out = sum(recv_splits) if recv_splits is not None else rows_nB.shape[0]
         out = rows_nB.new_empty((n_out, rows_nB.shape[1]))
         work = dist.all_to_all_single(out, rows_nB.contiguous(), recv_splits, send_splits,
                                       group=self.group, async_op=True)
-        pending = Pending(out, work, self, op)
-        return pending if async_op else pending.finish()
+        in_flight = InFlight(out, until=lambda: self._wait(work, op))
+        return in_flight if async_op else in_flight.wait()
 
     def record(self, kind: str, rows_per_member: list[int], row_bytes: int) -> None:
         """Add rows * row_bytes sent to each other member to the intra or inter counter of `kind`."""
@@ -144,3 +116,31 @@ class Comm:
                 where = "intra" if self.node_of[self.members[i]] == my_node else "inter"
                 name = f"{kind}_bytes_{where}"
                 setattr(self.stats, name, getattr(self.stats, name) + n * row_bytes)
+
+
+def node_comms(global_ranks: list[int], ranks_per_node: int, me: int, timeout_s: float,
+               stats: EPStats) -> tuple[Comm, Comm]:
+    """Comms over the ranks sharing EP rank `me`'s local rank (one per node) and over its node.
+
+    dist.new_group is collective over the whole default group, so every rank builds every subgroup
+    in the same order (cached per group and ranks_per_node, so later Buffers build none).
+    """
+    R, G = len(global_ranks), ranks_per_node
+    M = R // G
+    node_of = [r // G for r in range(R)]
+    inter_members = [[n * G + j for n in range(M)] for j in range(G)]
+    intra_members = [[n * G + j for j in range(G)] for n in range(M)]
+    key = (tuple(global_ranks), G)
+    if key not in _NODE_GROUPS and R > 1:
+        def build(members_list):
+            return [
+                new_group_in_order([global_ranks[m] for m in ms]) if len(ms) > 1 else None
+                for ms in members_list
+            ]
+        _NODE_GROUPS[key] = (build(inter_members), build(intra_members))
+    inter_groups, intra_groups = _NODE_GROUPS.get(key, ([None] * G, [None] * M))
+    node, local = me // G, me % G
+    return (
+        Comm(inter_groups[local], inter_members[local], me, node_of, timeout_s, stats),
+        Comm(intra_groups[node], intra_members[node], me, node_of, timeout_s, stats),
+    )

@@ -19,7 +19,9 @@ import torch
 
 from moeflow.ep import layout as L_
 from moeflow.ep import wire
+from moeflow.ep.event import EventOverlap
 from moeflow.ep.fp8 import check_fp8_hidden, per_token_cast_to_fp8
+from moeflow.ep.inflight import InFlight
 
 
 @dataclass
@@ -53,7 +55,10 @@ def _check(buffer, x, topk_idx, Tm: int, num_experts: int, use_fp8: bool) -> Non
                          "each expert may appear once per token (use -1 for unused entries)")
 
 
-def ll_dispatch(buffer, x_TD, topk_idx_TK, Tm: int, E: int, use_fp8: bool):
+def ll_dispatch(buffer, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, Tm: int, E: int, use_fp8: bool,
+                cumulative_stats_L: torch.Tensor | None = None) -> tuple:
+    """Buffer.low_latency_dispatch's work -> (recv_x, recv_count [L] int32, handle, in_flight); in_flight fills
+    recv_x and recv_count (and adds recv_count to cumulative_stats_L) on wait."""
     _check(buffer, x_TD, topk_idx_TK, Tm, E, use_fp8)
     comm, R = buffer.topo.main, buffer.group_size
     L = E // R
@@ -90,7 +95,7 @@ def ll_dispatch(buffer, x_TD, topk_idx_TK, Tm: int, E: int, use_fp8: bool):
     handle = LowLatencyHandle(buffer._id, x_TD.shape[1], E, Tm, slot_TK, None, recv_count)
 
     def arrived(got_QB):
-        cnt_RL = wire.unpack(cnt_rows.finish(), [(torch.int64, (L,))])[0]  # [source rank, local expert]
+        cnt_RL = wire.unpack(cnt_rows.wait(), [(torch.int64, (L,))])[0]  # [source rank, local expert]
         # Receive slot (s, l, i) holds a token iff i < cnt[s, l]; it goes to packed row off[s, l] + i of expert l.
         off_RL = torch.cumsum(cnt_RL, 0) - cnt_RL
         i_Q = torch.arange(Tm, device=dev).view(1, 1, Tm)
@@ -101,15 +106,18 @@ def ll_dispatch(buffer, x_TD, topk_idx_TK, Tm: int, E: int, use_fp8: bool):
         for out, value in zip(recv, wire.unpack(packed, specs)):
             out.copy_(value.view(out.shape))
         recv_count.copy_(cnt_RL.sum(0).to(torch.int32))
+        if cumulative_stats_L is not None:
+            cumulative_stats_L.add_(recv_count.to(cumulative_stats_L.dtype))
         handle.packed_pos_Q = packed_pos
         return got_QB
 
-    pending = got.then(arrived)
     recv_x = (recv[0], recv[1]) if use_fp8 else recv[0]
-    return recv_x, recv_count, handle, pending
+    return recv_x, recv_count, handle, got.then(arrived)
 
 
-def ll_combine(buffer, x_LQD, topk_idx_TK, topk_weights_TK, handle: LowLatencyHandle, out=None):
+def ll_combine(buffer, x_LQD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+               handle: LowLatencyHandle, out: torch.Tensor | None = None) -> tuple[torch.Tensor, InFlight]:
+    """Buffer.low_latency_combine's work -> (combined [T, D], in_flight filling it on wait)."""
     if not isinstance(handle, LowLatencyHandle) or handle.buffer_id != buffer._id:
         raise ValueError("low_latency_combine needs the handle low_latency_dispatch of this Buffer returned")
     if handle.packed_pos_Q is None:
@@ -144,3 +152,14 @@ def ll_combine(buffer, x_LQD, topk_idx_TK, topk_weights_TK, handle: LowLatencyHa
         return got_QB
 
     return result, got.then(arrived)
+
+
+def ll_finish(in_flight: InFlight, async_finish: bool, return_recv_hook: bool) -> tuple:
+    """-> (event, hook) of a low-latency call: waited for here unless asynchronous or hooked (DeepEP's semantics)."""
+    if not (async_finish or return_recv_hook):
+        in_flight.wait()
+
+    def hook() -> None:
+        in_flight.wait()
+
+    return EventOverlap(in_flight=in_flight if async_finish else None), hook if return_recv_hook else None

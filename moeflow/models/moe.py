@@ -3,9 +3,10 @@
 Shape suffixes: T tokens, K top-k, E experts, D model width, F expert width, N routed rows (valid
 (token, expert) pairs sorted by expert), G expert groups, B sequences, S tokens per sequence, C capacity.
 
-MoE.forward is route -> dispatch -> experts -> combine. The dispatcher is an object: `LocalDispatcher` here
+MoE.forward is route -> dispatch -> experts -> combine. The dispatcher is a TokenDispatcher: `LocalDispatcher` here
 (every expert in this process: dispatch sorts the token copies by expert), and expert parallelism swaps in
 one that moves tokens between ranks (moeflow.parallel.expert) together with this rank's slice of the experts.
+Both hand back what dispatch and combine produce as a Waitable: wait() returns it once it has arrived.
 No torch.distributed here.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,8 @@ from torch import nn
 
 from moeflow.models.config import ModelConfig, MoEConfig, grouped_mm_alignment_error
 from moeflow.models.layers import autocast_input, autocast_on
+
+V = TypeVar("V")
 
 # The fastest grouped-matmul path measured by bench/moe_layer.py, per device type (see its README table).
 DEFAULT_EXPERT_IMPL = {"cpu": "grouped_mm", "cuda": "grouped_mm"}
@@ -282,9 +286,6 @@ class Dispatched:
     handle: object = None  # the token mover's own state (an EP handle), if any
     valid_N: torch.Tensor | None = None  # static sizes: which rows are real pairs (the rest sort last)
 
-    def arrive(self) -> Dispatched:
-        return self
-
 
 def sort_by_expert(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                    num_experts: int, static: bool = False) -> Dispatched:
@@ -338,6 +339,41 @@ def weighted_sum_back(y_ND: torch.Tensor, d: Dispatched, like_TD: torch.Tensor) 
     return like_TD.new_zeros(d.num_rows, like_TD.shape[-1]).index_add_(0, d.row_N, y_ND.to(like_TD.dtype))
 
 
+class Waitable(Protocol[V]):
+    """A value that may still be travelling: wait() returns it once it is there. An expert-parallel dispatcher hands
+    back moeflow.ep's InFlight (moeflow/ep/inflight.py); the models layer names only the method it calls."""
+
+    def wait(self) -> V: ...
+
+
+class Ready(Generic[V]):
+    """A value that is already there (nothing travels in one process)."""
+
+    def __init__(self, value: V):
+        self.value = value
+
+    def wait(self) -> V:
+        return self.value
+
+
+class TokenDispatcher(Protocol):
+    """What MoE.forward moves its tokens with: LocalDispatcher in one process, ExpertParallelDispatcher
+    (moeflow/parallel/expert.py) under expert parallelism. Both return the same types."""
+
+    def chunks(self, num_tokens: int) -> list[slice]:
+        """The chunks of the layer's T tokens that travel one after another (one chunk: [0, T))."""
+        ...
+
+    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor) -> Waitable[Dispatched]:
+        """One chunk's rows for this process's experts, sorted by expert."""
+        ...
+
+    def combine(self, y_ND: torch.Tensor, d: Dispatched, x_TD: torch.Tensor) -> Waitable[torch.Tensor]:
+        """The chunk's output [T, D] in x's dtype: each token's expert rows, weighted and summed."""
+        ...
+
+
 class LocalDispatcher:
     """Every expert lives in this process: dispatch sorts the token copies by expert, combine sums them back.
     One chunk, and nothing is ever in flight."""
@@ -348,14 +384,12 @@ class LocalDispatcher:
     def chunks(self, num_tokens: int) -> list[slice]:
         return [slice(0, num_tokens)]
 
-    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> Dispatched:
-        return sort_by_expert(x_TD, topk_idx_TK, topk_weights_TK, self.num_experts)
+    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor) -> Ready[Dispatched]:
+        return Ready(sort_by_expert(x_TD, topk_idx_TK, topk_weights_TK, self.num_experts))
 
-    def combine(self, y_ND: torch.Tensor, d: Dispatched, x_TD: torch.Tensor) -> torch.Tensor:
-        return weighted_sum_back(y_ND, d, x_TD)
-
-    def gather(self, outs: list[torch.Tensor]) -> torch.Tensor:
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    def combine(self, y_ND: torch.Tensor, d: Dispatched, x_TD: torch.Tensor) -> Ready[torch.Tensor]:
+        return Ready(weighted_sum_back(y_ND, d, x_TD))
 
 
 def _swiglu(h1, h3):
@@ -482,7 +516,7 @@ class MoE(nn.Module):
         self.router = Router(cfg.dim, m)
         self.experts = GroupedExperts(m.num_experts, cfg.dim, m.ffn_dim, impl=m.expert_impl)
         self.shared_experts = FeedForward(cfg.dim, m.shared_width) if m.num_shared_experts else None
-        self.dispatcher = LocalDispatcher(m.num_experts)  # expert parallelism swaps in a token mover
+        self.dispatcher: TokenDispatcher = LocalDispatcher(m.num_experts)  # expert parallelism swaps in its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
@@ -506,11 +540,11 @@ class MoE(nn.Module):
         outs = []
         for i, rows in enumerate(chunks):
             nxt = send(chunks[i + 1]) if i + 1 < len(chunks) else None
-            tokens = in_flight.arrive()
+            tokens = in_flight.wait()
             y_ND = self.experts(tokens.x_ND, tokens.counts_E)
             outs.append(self.dispatcher.combine(y_ND, tokens, x_TD[rows]))
             in_flight = nxt
-        out_TD = self.dispatcher.gather(outs)
+        out_TD = torch.cat([out.wait() for out in outs]) if len(outs) > 1 else outs[0].wait()
         if shared_TD is not None:
             out_TD = out_TD + shared_TD
         return out_TD.view_as(x)

@@ -16,14 +16,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.ep.buffer import Buffer, EventOverlap
+from moeflow.ep.buffer import Buffer
+from moeflow.ep.event import EventOverlap
+from moeflow.ep.inflight import InFlight
 from moeflow.models.moe import Dispatched, FeedForward, GroupedExperts, MoE, sort_by_expert, weighted_sum_back
 
 
 class ExpertParallelDispatcher:
-    """dispatch: send each token once to every rank owning one of its experts (Buffer.dispatch), then sort the
-    received rows by local expert; combine: sum each received row's weighted expert outputs, then send the
-    rows back and sum a token's copies (Buffer.combine).
+    """A TokenDispatcher (moeflow/models/moe.py) over a Buffer. dispatch: send each token once to every rank owning
+    one of its experts (Buffer.dispatch), then sort the received rows by local expert; combine: sum each received
+    row's weighted expert outputs, then send the rows back and sum a token's copies (Buffer.combine).
 
     chunks: the layer's tokens travel in this many chunks, so that one chunk's communication is in flight while
     another's experts compute (MoE.forward's loop). overlap: start each dispatch / combine asynchronously and
@@ -56,7 +58,9 @@ class ExpertParallelDispatcher:
     # torch.compile (training.compile) runs the token mover eagerly: its byte packing and collectives are not
     # traceable, and there is nothing in them for the compiler to fuse
     @torch.compiler.disable
-    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor):
+    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> InFlight:
+        """-> InFlight of the Dispatched rows for this rank's experts: waiting finishes the Buffer's dispatch and
+        sorts the received rows by local expert."""
         W = self._rows(x_TD.shape[0])
         if W and not self.buffer.is_external:
             # Static sizes: the layout tensors are computed inside dispatch, without checking the ids' values
@@ -74,8 +78,16 @@ class ExpertParallelDispatcher:
         recv_x_ND, recv_idx_NK, recv_w_NK, _, handle, event = self.buffer.dispatch(
             x_TD, topk_idx=topk_idx_TK, topk_weights=topk_weights_TK.float(), num_worst_tokens=W,
             async_finish=self._async(x_TD.device), **layout)
-        return _Arriving(self, event, recv_x_ND, recv_idx_NK, recv_w_NK, handle, static=bool(W),
-                         weight_dtype=topk_weights_TK.dtype)
+        weight_dtype = topk_weights_TK.dtype
+
+        def arrived(_) -> Dispatched:
+            recv_x, recv_w = _wait(event, recv_x_ND, recv_w_NK)
+            local = sort_by_expert(recv_x, recv_idx_NK, recv_w.to(weight_dtype), self.num_local_experts, bool(W))
+            local.handle = handle
+            return local
+
+        # Nothing to wait for of its own: the rows travel in the Buffer's call (event), which arrived() waits on.
+        return InFlight().then(arrived)
 
     def _async(self, device: torch.device) -> bool:
         # The deep_ep adapter's backward is synchronous and its events are the library's: overlap is moeflow's.
@@ -86,43 +98,21 @@ class ExpertParallelDispatcher:
         return self.overlap
 
     @torch.compiler.disable  # communication: a graph break (see dispatch)
-    def combine(self, y_PD: torch.Tensor, d: Dispatched, x_TD: torch.Tensor):
+    def combine(self, y_PD: torch.Tensor, d: Dispatched, x_TD: torch.Tensor) -> InFlight:
+        """-> InFlight of this chunk's output [T, D] in x's dtype (MoE.forward waits on it after the last chunk's
+        experts)."""
         # This rank's experts summed per received row in x's dtype (fp32 under autocast), then sent in the experts'
         # dtype (bf16 under autocast, as DeepEP combines): half the bytes; the Buffer sums the ranks in fp32.
         out_ND = weighted_sum_back(y_PD, d, x_TD).to(y_PD.dtype)
         out_TD, _, event = self.buffer.combine(out_ND, d.handle, async_finish=self._async(out_ND.device))
-        return out_TD, event, x_TD.dtype
-
-    @torch.compiler.disable  # communication: a graph break (see dispatch)
-    def gather(self, outs: list) -> torch.Tensor:
-        # cast after the wait: out_TD is filled when the combine arrives
-        arrived = [_wait(event, out_TD)[0].to(dtype) for out_TD, event, dtype in outs]
-        return arrived[0] if len(arrived) == 1 else torch.cat(arrived)
+        dtype = x_TD.dtype  # cast after the wait: out_TD is filled when the combine arrives
+        return InFlight().then(lambda _: _wait(event, out_TD)[0].to(dtype))
 
 
 def _wait(event, *tensors) -> tuple:
     """moeflow's EventOverlap.wait (an autograd node: backward overlaps too). deep_ep's calls are made
     synchronously here (its event holds nothing to wait for)."""
     return event.wait(*tensors) if isinstance(event, EventOverlap) else tensors
-
-
-class _Arriving:
-    """A dispatch in flight; arrive() waits for it and sorts the received rows by local expert."""
-
-    def __init__(self, dispatcher: ExpertParallelDispatcher, event, recv_x_ND, recv_idx_NK, recv_w_NK, handle,
-                 static: bool, weight_dtype: torch.dtype):
-        self.dispatcher, self.event, self.handle, self.static = dispatcher, event, handle, static
-        self.weight_dtype = weight_dtype
-        self.recv = (recv_x_ND, recv_idx_NK, recv_w_NK)
-
-    @torch.compiler.disable  # communication: a graph break (see ExpertParallelDispatcher.dispatch)
-    def arrive(self) -> Dispatched:
-        recv_x_ND, recv_idx_NK, recv_w_NK = self.recv
-        recv_x_ND, recv_w_NK = _wait(self.event, recv_x_ND, recv_w_NK)
-        recv_w_NK = recv_w_NK.to(self.weight_dtype)
-        local = sort_by_expert(recv_x_ND, recv_idx_NK, recv_w_NK, self.dispatcher.num_local_experts, self.static)
-        local.handle = self.handle
-        return local
 
 
 def local_experts(full: GroupedExperts, rank: int, num_ranks: int) -> GroupedExperts:

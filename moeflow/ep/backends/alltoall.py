@@ -2,7 +2,7 @@
 
 Shape legend: T tokens, R ranks, N received rows, S sent rows, B bytes per row, C float columns.
 Received rows are ordered by source rank, then by token index at the source (DeepEP's order).
-Every method takes async_op: then the result comes back as a moeflow.ep.comm.Pending.
+Every method takes async_op: then the result comes back as a moeflow.ep.inflight.InFlight.
 """
 
 from __future__ import annotations

@@ -178,10 +178,7 @@ class ExternalBuffer:
             return lib_buffer.dispatch((x[0].contiguous(), x[1]), topk_weights=topk_weights, **kwargs)
         x = _transport(x).contiguous()
         lib_buffer = self.library_buffer(_hidden_bytes(x))
-        box: dict = {}
-        recv_x, recv_w = _Dispatch.apply(lib_buffer, kwargs, box, x, topk_weights)
-        recv_idx, counts, new_handle, event = box["rest"]
-        return recv_x, recv_idx, recv_w, counts, new_handle, event
+        return _Dispatch.apply(lib_buffer, kwargs, x, topk_weights)
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
@@ -194,10 +191,8 @@ class ExternalBuffer:
             topk_weights = topk_weights.float().contiguous()
         kwargs = dict(config=config, previous_event=previous_event, async_finish=async_finish,
                       allocate_on_comm_stream=allocate_on_comm_stream)
-        box: dict = {"bias_is_tuple": isinstance(bias, tuple | list)}
         lib_buffer = self.library_buffer(_hidden_bytes(x))
-        out_x, out_w = _Combine.apply(lib_buffer, handle, kwargs, box, x, topk_weights, *biases)
-        return out_x, out_w, box["event"]
+        return _Combine.apply(lib_buffer, handle, kwargs, isinstance(bias, tuple | list), x, topk_weights, *biases)
 
     # ---- low latency (inference): the library's calls as they are ---------------------------------------
     def low_latency_dispatch(self, x, topk_idx, *args, **kwargs):
@@ -215,27 +210,28 @@ def _zero_foreign(g_NK: torch.Tensor, recv_idx_NK: torch.Tensor) -> torch.Tensor
 
 
 class _Dispatch(torch.autograd.Function):
-    """recv_x, recv_topk_weights = library dispatch(x, topk_weights); backward = library combine along the handle.
-
-    The non-differentiable results (recv_topk_idx, counts, handle, event) come back through `box`."""
+    """library dispatch(x, topk_weights), differentiable w.r.t. x and topk_weights; backward = library combine along
+    the handle. Returns the library's six results in its order; recv_topk_idx (a tensor) is marked
+    non-differentiable, the counts, handle and event pass through as the non-tensor outputs they are."""
 
     @staticmethod
-    def forward(ctx, lib_buffer, kwargs: dict, box: dict, x_TD, topk_weights_TK):
+    def forward(ctx, lib_buffer, kwargs: dict, x_TD, topk_weights_TK):
         recv_x, recv_idx, recv_w, counts, handle, event = lib_buffer.dispatch(x_TD, topk_weights=topk_weights_TK,
                                                                               **kwargs)
         if recv_w is not None and not kwargs["async_finish"]:
             # Rows past the real ones (num_worst_tokens) are uninitialised in DeepEP; their ids are -1. With
             # async_finish the outputs are not ready yet, so they stay as the library left them.
             recv_w = torch.where(recv_idx >= 0, recv_w, torch.zeros_like(recv_w))
-        box["rest"] = (recv_idx, counts, handle, event)
+        if recv_idx is not None:
+            ctx.mark_non_differentiable(recv_idx)
         ctx.lib_buffer = lib_buffer
         ctx.handle = kwargs["handle"] if kwargs["handle"] is not None else handle
         ctx.recv_idx, ctx.recv_shape, ctx.x_dtype, ctx.device = recv_idx, recv_x.shape, x_TD.dtype, x_TD.device
         ctx.has_w = recv_w is not None
-        return recv_x, recv_w
+        return recv_x, recv_idx, recv_w, counts, handle, event
 
     @staticmethod
-    def backward(ctx, g_recv_x, g_recv_w):
+    def backward(ctx, g_recv_x, _g_recv_idx, g_recv_w, *_):
         if g_recv_x is None:
             g_recv_x = torch.zeros(ctx.recv_shape, dtype=ctx.x_dtype, device=ctx.device)
         g_w = None
@@ -243,22 +239,23 @@ class _Dispatch(torch.autograd.Function):
             g_w = g_recv_w if g_recv_w is not None else torch.zeros(ctx.recv_idx.shape, device=ctx.device)
             g_w = _zero_foreign(g_w.float(), ctx.recv_idx).contiguous()
         grad_x, grad_w, _ = ctx.lib_buffer.combine(g_recv_x.contiguous(), ctx.handle, topk_weights=g_w)
-        return None, None, None, grad_x, grad_w
+        return None, None, grad_x, grad_w
 
 
 class _Combine(torch.autograd.Function):
-    """combined_x, combined_w = library combine(x, topk_weights, bias); backward = cached dispatches."""
+    """combined_x, combined_w, event = library combine(x, topk_weights, bias); backward = cached dispatches. The
+    event passes through as a non-tensor output."""
 
     @staticmethod
-    def forward(ctx, lib_buffer, handle, kwargs: dict, box: dict, x_ND, w_NK, *biases):
-        bias = tuple(biases) if box["bias_is_tuple"] else biases[0]
-        out_x, out_w, box["event"] = lib_buffer.combine(x_ND, handle, topk_weights=w_NK, bias=bias, **kwargs)
+    def forward(ctx, lib_buffer, handle, kwargs: dict, bias_is_tuple: bool, x_ND, w_NK, *biases):
+        bias = tuple(biases) if bias_is_tuple else biases[0]
+        out_x, out_w, event = lib_buffer.combine(x_ND, handle, topk_weights=w_NK, bias=bias, **kwargs)
         ctx.lib_buffer, ctx.handle = lib_buffer, handle
         ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
-        return out_x, out_w
+        return out_x, out_w, event
 
     @staticmethod
-    def backward(ctx, g_x_TD, g_w_TK):
+    def backward(ctx, g_x_TD, g_w_TK, _):
         grad_x = grad_w = None
         if ctx.needs_input_grad[4] and g_x_TD is not None:
             grad_x = ctx.lib_buffer.dispatch(g_x_TD.contiguous(), handle=ctx.handle)[0]

@@ -11,8 +11,8 @@ Dispatch, for a token of rank s (node ns, local rank l):
 Combine runs it backwards: the ranks of a node send their results to p, p sums them (intra-node
 reduction first), and one partial sum per node crosses back to s, which sums the nodes.
 Received rows are put back in (source rank, token) order so every backend returns the same tensor.
-With async_op the first phase is in flight when the call returns; the second starts when the caller finishes
-the Pending (it needs the first phase's rows on this rank).
+With async_op the first phase is in flight when the call returns; the second starts when the caller waits on
+the InFlight (it needs the first phase's rows on this rank).
 """
 
 from __future__ import annotations
