@@ -80,6 +80,61 @@ def read_after_collective(t: torch.Tensor) -> list:
     return t.tolist()
 
 
+class SumPacker:
+    """Named tensors summed over every rank in one all-reduce and read back in one host sync:
+    `packer.add("loss", loss)`, ..., `sums = packer.all_reduce_sum()`, `sums["loss"]`. Every rank must add the
+    same names with the same shapes in the same order (the packed tensors are summed element by element)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._parts: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if name in self._parts:
+            raise ValueError(f"SumPacker: {name!r} added twice")
+        self._parts[name] = t.detach().float().to(self.device)
+
+    def all_reduce_sum(self) -> Sums:
+        packed = all_reduce_sum(torch.cat([t.reshape(-1) for t in self._parts.values()]))
+        return Sums(packed, read_after_collective(packed), {name: t.shape for name, t in self._parts.items()})
+
+
+class Sums:
+    """SumPacker's result: each name's sum over the ranks, on the host (`sums[name]`) or the device
+    (`sums.on_device(name)`), in the shape it was added with."""
+
+    def __init__(self, packed: torch.Tensor, host: list[float], shapes: dict[str, torch.Size]):
+        self._packed, self._host = packed, host
+        self._segments: dict[str, tuple[int, torch.Size]] = {}  # name -> (offset into the packed tensor, shape)
+        offset = 0
+        for name, shape in shapes.items():
+            self._segments[name] = (offset, shape)
+            offset += shape.numel()
+
+    def __getitem__(self, name: str):
+        """A float for a scalar, (nested) lists of floats for the rest."""
+        offset, shape = self._segments[name]
+        return _nested(self._host[offset:offset + shape.numel()], shape)
+
+    def on_device(self, name: str) -> torch.Tensor:
+        """The sum as a tensor where it was reduced (no host copy)."""
+        offset, shape = self._segments[name]
+        return self._packed[offset:offset + shape.numel()].view(shape)
+
+    def group(self, prefix: str) -> dict:
+        """{name after `prefix`: sums[name]} for every name that starts with `prefix`."""
+        return {name[len(prefix):]: self[name] for name in self._segments if name.startswith(prefix)}
+
+
+def _nested(flat: list[float], shape: torch.Size):
+    if not shape:
+        return flat[0]
+    if len(shape) == 1:
+        return flat
+    inner = shape[1:].numel()
+    return [_nested(flat[i * inner:(i + 1) * inner], shape[1:]) for i in range(shape[0])]
+
+
 def broadcast_object(obj, src: int = 0):
     if not dist.is_initialized():
         return obj

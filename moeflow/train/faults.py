@@ -208,7 +208,7 @@ class _Watchdog:
 
 class StepGuard:
     """Per-rank fault handling around each step: `begin(step)` before the step, `row()` inside it (this rank's
-    stop flag and busy time, which the step's one all-reduce gathers), `end(step, rows)` after it, `log_record()`
+    stop flag and busy time, which the step's one all-reduce gathers), `end(step, per_rank)` after it, `log_record()`
     on logging steps."""
 
     def __init__(self, cfg, info):
@@ -238,20 +238,20 @@ class StepGuard:
         self._t0 = self._busy_clock()
         _inject(self.faults, "step", step)
 
-    def row(self) -> tuple[float, float]:
+    def row(self) -> dict[str, float]:
         """This rank's stop flag (the signal number, or 0) and busy time so far in the step, for the step's one
-        all-reduce (moeflow.train.step.train_step's rank_row): no collective or host sync of its own. Read before
+        all-reduce (moeflow.train.step.train_step's per_rank): no collective or host sync of its own. Read before
         the optimizer step: a signal that arrives after it is acted on at the end of the next step."""
-        return float(self.signals.received or 0), self._busy_clock() - self._t0
+        return {"stop_signal": float(self.signals.received or 0), "busy_s": self._busy_clock() - self._t0}
 
-    def end(self, step: int, rows: list[list[float]]) -> bool:
-        """True when every rank is to stop after this step (any rank received a stop signal); `rows`: every
-        rank's row() as the step gathered them (further columns are ignored)."""
+    def end(self, step: int, per_rank: dict[str, list[float]]) -> bool:
+        """True when every rank is to stop after this step (any rank received a stop signal); `per_rank`: every
+        rank's row() as the step gathered them (StepResult.per_rank; further names are ignored)."""
         if self.watchdog is not None:
             self.watchdog.disarm()
-        self._busy_sum_R += torch.tensor([row[1] for row in rows], dtype=torch.float64, device="cpu")
+        self._busy_sum_R += torch.tensor(per_rank["busy_s"], dtype=torch.float64, device="cpu")
         self._steps += 1
-        signals = [int(row[0]) for row in rows if row[0]]
+        signals = [int(flag) for flag in per_rank["stop_signal"] if flag]
         if signals and not self.stop_signal:
             self.stop_signal = signal.Signals(signals[0]).name
         return bool(signals)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -12,7 +14,7 @@ from moeflow.parallel.grads import clip_grad_norm_
 from moeflow.parallel.runner import router_layers
 from moeflow.train.build import Setup
 from moeflow.train.data import IGNORE_INDEX
-from moeflow.train.distributed import all_reduce_sum, read_after_collective
+from moeflow.train.distributed import DistInfo, SumPacker, Sums, all_reduce_sum
 
 
 class NonFiniteLossError(RuntimeError):
@@ -45,91 +47,142 @@ def state_bytes(s: Setup, grad_bytes: int) -> dict[str, int]:
     return dict(zip(("params", "grads", "optimizer"), (int(x) for x in sizes.tolist())))
 
 
+@dataclass
+class LayerStats:
+    """One MoE layer's routing in one step, over the global batch."""
+
+    tokens_per_expert: list[int]
+    max_over_mean: float  # the busiest expert's load over the mean load
+    dropped_fraction: float  # of the layer's token-to-expert assignments
+    router_bias: list[float] | None  # None where this rank holds no router of the layer (another pipeline stage)
+
+    def record(self) -> dict:
+        """The layer's entry in metrics.jsonl's "moe"."""
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+
+@dataclass
+class StepResult:
+    """One optimizer step, as every rank saw it after the step's one all-reduce."""
+
+    loss: float  # the global token mean
+    lr: float  # the learning rate the step used
+    grad_norm: float  # before clipping
+    skipped: bool  # the loss or the gradient norm was not finite and training.on_nonfinite = "skip"
+    grad_bytes: int | None  # the gradient bytes this rank held (only with `measure`)
+    per_rank: dict[str, list[float]]  # every rank's value of each name `per_rank` returned, indexed by rank
+    losses: dict[str, float]  # the extra losses ({"mtp_loss": ...}), global means like `loss`
+    moe: dict[int, LayerStats] | None  # by global layer index (only with `with_moe_stats` and MoE layers)
+
+
 def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: bool = False,
-               rank_row=None) -> dict:
-    """One optimizer step. Returns plain numbers (after one all-reduce of loss and expert load); the
-    per-layer expert statistics only when `with_moe_stats`, since they copy every layer to the host;
-    the gradient bytes this rank held only when `measure` (the last step, for the summary).
-    rank_row: a function returning a few numbers of this rank (its stop flag, busy time, peak memory), called after
-    backward; every rank's row rides in the same all-reduce and comes back as out["rank_rows"]."""
-    model, par = s.model, s.par
-    model.train()
-    batch = s.sampler.next_batch().map(par.local_sequence).to(s.info.device)
+               per_rank: Callable[[], dict[str, float]] | None = None) -> StepResult:
+    """One optimizer step, read back after one all-reduce of everything it reports. The per-layer expert statistics
+    only when `with_moe_stats`, since they copy every layer to the host; the gradient bytes this rank held only when
+    `measure` (the last step, for the summary).
+    per_rank: a function returning a few named numbers of this rank (its stop flag, busy time, peak memory), called
+    after backward; every rank's values ride in the same all-reduce and come back as StepResult.per_rank."""
     layers = moe_layers(cfg)
-    row_of = {layer: i for i, layer in enumerate(layers)}
-    E = cfg.model.moe.num_experts
-    loads = torch.zeros(len(layers), E, device=s.info.device)
-    dropped = torch.zeros(max(1, len(layers)), device=s.info.device)
+    packer = _forward_backward(cfg, s, layers)
+    for name, value in (per_rank() if per_rank else {}).items():
+        packer.add(f"rank/{name}", _one_hot(value, s.info))
+    # Reading the sums back is the trainer's one host sync per step, needed anyway for the non-finite check (every
+    # rank must take the same decision) and the progress bar.
+    sums = packer.all_reduce_sum()
+    world = s.info.world_size  # every rank holds the same loss, extra losses and norm: divide the copies out
+    loss, grad_norm = sums["loss"] / world, sums["grad_norm"] / world
+    skipped, lr = _optimizer_step(cfg, s, loss, grad_norm)
+    grad_bytes = _local_bytes(p.grad for p in s.model.parameters()) if measure else None  # sizes only, no sync
+    s.optimizer.zero_grad(set_to_none=True)
+    s.scheduler.step()
+    moe = _route_next_step(cfg, s, layers, sums, with_moe_stats) if layers else None
+    return StepResult(loss, lr, grad_norm, skipped, grad_bytes, per_rank=sums.group("rank/"),
+                      losses={name: v / world for name, v in sums.group("extra/").items()}, moe=moe)
+
+
+def _forward_backward(cfg: JobConfig, s: Setup, layers: list[int]) -> SumPacker:
+    """Forward, backward and gradient clipping of one global batch; returns what the step reports, packed."""
+    par = s.par
+    s.model.train()
+    batch = s.sampler.next_batch().map(par.local_sequence).to(s.info.device)
     # The global token mean: dp x cp x (this rank's summed loss) / (trained targets of the whole global batch),
     # which the gradient average over the dp x cp ranks (FSDP's) turns into the same gradient under any layout
     # and accumulation (cp ranks hold parts of the same sequences).
     loss_scale = par.dims.dp * par.dims.cp / max(1, batch.global_tokens)
-    loss = par.runner.train_step(batch.inputs, batch.targets, loss_scale, **batch.model_kwargs())
-    extra = par.runner.extra_losses()  # {"mtp_loss": ...}: like the loss, the same on every rank
-    for layer, (load_E, drop) in par.runner.router_loads().items():
-        loads[row_of[layer]] += load_E
-        dropped[row_of[layer]] += drop
+    packer = SumPacker(s.info.device)
+    packer.add("loss", par.runner.train_step(batch.inputs, batch.targets, loss_scale, **batch.model_kwargs()))
+    for name, value in par.runner.extra_losses().items():  # {"mtp_loss": ...}: like the loss, the same on every rank
+        packer.add(f"extra/{name}", value)
+    if layers:
+        loads_LE, dropped_L = _router_loads(cfg, s, layers)
+        packer.add("loads", loads_LE)
+        packer.add("dropped", dropped_L)
     clip = cfg.training.grad_clip if cfg.training.grad_clip > 0 else float("inf")
-    grad_norm = clip_grad_norm_(model, clip, par)
-    mine = rank_row() if rank_row else ()
-    rows_RC = loss.new_zeros(s.info.world_size if mine else 0, len(mine))  # each rank fills its own row: a gather
-    for column, value in enumerate(mine):
-        rows_RC[s.info.rank, column] = value
-    # One all-reduce for everything logged; its .tolist() is the trainer's one host sync per step, needed anyway
-    # for the non-finite check (every rank must take the same decision) and the progress bar.
-    # (the gradient norm rides along last: every rank holds the same global norm, so the sum is world_size of it)
-    packed = all_reduce_sum(torch.cat([loss.view(1), dropped, loads.flatten(),
-                                       *(v.float().view(1).to(loss.device) for v in extra.values()),
-                                       rows_RC.flatten(), grad_norm.detach().float().view(1).to(loss.device)]))
-    # Every rank holds the loss, and with the MoE replicated over tp every tp rank routes all of its dp rank's
-    # tokens: divide the copies out.
-    tp = par.dims.moe_token_copies
-    numbers = read_after_collective(packed)
-    loss_value = numbers[0] / s.info.world_size
-    gn = numbers.pop() / s.info.world_size
-    rows = numbers[len(numbers) - rows_RC.numel():]
-    del numbers[len(numbers) - rows_RC.numel():]
-    finite = math.isfinite(loss_value) and math.isfinite(gn)
-    step = s.scheduler.last_epoch + 1
+    packer.add("grad_norm", clip_grad_norm_(s.model, clip, par))
+    return packer
+
+
+def _router_loads(cfg: JobConfig, s: Setup, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens per expert [L, E], dropped assignments [L]) of every MoE layer, zero for the layers another pipeline
+    stage holds: the same size on every rank, so the sum over the ranks is the global count (times the copies)."""
+    row_of = {layer: i for i, layer in enumerate(layers)}
+    loads_LE = torch.zeros(len(layers), cfg.model.moe.num_experts, device=s.info.device)
+    dropped_L = torch.zeros(len(layers), device=s.info.device)
+    for layer, (load_E, drop) in s.par.runner.router_loads().items():
+        loads_LE[row_of[layer]] += load_E
+        dropped_L[row_of[layer]] += drop
+    return loads_LE, dropped_L
+
+
+def _one_hot(value: float, info: DistInfo) -> torch.Tensor:
+    """[world_size] zeros with this rank's `value` at its index: summed over the ranks, every rank's value."""
+    column_R = torch.zeros(info.world_size, device=info.device)
+    column_R[info.rank] = value
+    return column_R
+
+
+def _optimizer_step(cfg: JobConfig, s: Setup, loss: float, grad_norm: float) -> tuple[bool, float]:
+    """(skipped, learning rate): the update unless the loss or the norm is not finite (every rank decides alike,
+    from the same sums); NonFiniteLossError instead of a skip unless training.on_nonfinite = "skip"."""
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if not finite and cfg.training.on_nonfinite == "stop":
         raise NonFiniteLossError(
-            f"loss is {loss_value} (grad norm {gn}) at step {step}; lower training.lr, enable "
-            f"training.grad_clip, or set --training.on_nonfinite=skip to drop such steps"
+            f"loss is {loss} (grad norm {grad_norm}) at step {s.scheduler.last_epoch + 1}; lower training.lr, "
+            f"enable training.grad_clip, or set --training.on_nonfinite=skip to drop such steps"
         )
     lr = s.scheduler.get_last_lr()[0]
     if finite:
         s.optimizer.step()
-    grad_bytes = _local_bytes(p.grad for p in model.parameters()) if measure else None  # sizes only, no sync
-    s.optimizer.zero_grad(set_to_none=True)
-    s.scheduler.step()
-    out = {"loss": loss_value, "lr": lr, "grad_norm": gn, "skipped": not finite, "grad_bytes": grad_bytes,
-           "rank_rows": [rows[i:i + len(mine)] for i in range(0, len(rows), len(mine) or 1)]}
-    out["losses"] = {k: v / s.info.world_size for k, v in zip(extra, numbers[len(numbers) - len(extra):])}
-    if layers:
-        global_loads = packed[1 + len(dropped):1 + len(dropped) + len(layers) * E].view(len(layers), E) / tp
-        routers = router_layers([model])
-        for layer, r in routers.items():
-            r.update_bias(global_loads[row_of[layer]])
-        if with_moe_stats:  # from the host copy of the loads (no device read)
-            host_loads = torch.tensor(numbers[1 + len(dropped):1 + len(dropped) + len(layers) * E], device="cpu") / tp
-            out["moe"] = _moe_stats(cfg, routers, layers, host_loads.view(len(layers), E),
-                                    [d / tp for d in numbers[1:1 + len(layers)]])
-    return out
+    return not finite, lr
 
 
-def _moe_stats(cfg: JobConfig, routers, layers, loads_LE, dropped) -> dict:
-    stats = {}
-    for layer, load_E, drop in zip(layers, loads_LE, dropped):
-        depth = max(0, layer - cfg.model.n_layers + 1)  # MTP depth k routes the S - k positions it predicts from
-        assignments = cfg.training.global_batch * (cfg.data.seq_len - depth) * cfg.model.moe.top_k
-        stats[str(layer)] = {
-            "tokens_per_expert": [int(x) for x in load_E.tolist()],
-            "max_over_mean": float(load_E.max() / load_E.mean().clamp(min=1e-9)),
-            "dropped_fraction": drop / assignments,
-        }
-        if layer in routers:  # under pipeline parallelism rank 0 holds only its stage's routers
-            stats[str(layer)]["router_bias"] = [round(b, 5) for b in routers[layer].expert_bias.tolist()]
-    return stats
+def _route_next_step(cfg: JobConfig, s: Setup, layers: list[int], sums: Sums,
+                     with_moe_stats: bool) -> dict[int, LayerStats] | None:
+    """Updates the routers' load-balancing bias from the global loads; their statistics when `with_moe_stats`."""
+    # With the MoE replicated over tp every tp rank routes all of its dp rank's tokens: divide the copies out.
+    copies = s.par.dims.moe_token_copies
+    routers = router_layers([s.model])
+    loads_LE = sums.on_device("loads") / copies
+    for layer, router in routers.items():
+        router.update_bias(loads_LE[layers.index(layer)])
+    if not with_moe_stats:
+        return None
+    host_loads_LE = torch.tensor(sums["loads"], device="cpu") / copies  # from the host copy (no device read)
+    dropped = [d / copies for d in sums["dropped"]]
+    return {layer: _layer_stats(cfg, layer, routers.get(layer), load_E, drop)
+            for layer, load_E, drop in zip(layers, host_loads_LE, dropped)}
+
+
+def _layer_stats(cfg: JobConfig, layer: int, router, load_E: torch.Tensor, dropped: float) -> LayerStats:
+    depth = max(0, layer - cfg.model.n_layers + 1)  # MTP depth k routes the S - k positions it predicts from
+    assignments = cfg.training.global_batch * (cfg.data.seq_len - depth) * cfg.model.moe.top_k
+    return LayerStats(
+        tokens_per_expert=[int(x) for x in load_E.tolist()],
+        max_over_mean=float(load_E.max() / load_E.mean().clamp(min=1e-9)),
+        dropped_fraction=dropped / assignments,
+        # under pipeline parallelism rank 0 holds only its stage's routers
+        router_bias=None if router is None else [round(b, 5) for b in router.expert_bias.tolist()],
+    )
 
 
 @torch.no_grad()

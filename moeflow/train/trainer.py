@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -20,12 +21,64 @@ from moeflow.train.checkpoint import CheckpointManager, check_writable
 from moeflow.train.distributed import init_distributed
 from moeflow.train.faults import Preempted, StepGuard, make_deterministic
 from moeflow.train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_mb
-from moeflow.train.step import evaluate, state_bytes, train_step
+from moeflow.train.step import StepResult, evaluate, state_bytes, train_step
+
+
+@dataclass
+class LoopState:
+    """What the steps of one invocation leave for its summary."""
+
+    stop: int  # the last step this invocation runs
+    peak_flops_known: bool  # this device is in the peak-FLOP/s table, so metrics.jsonl's mfu is a number
+    first_loss: float | None = None
+    last_loss: float | None = None
+    val_loss: float | None = None  # the latest evaluation's
+    checkpoint: Path | None = None  # the latest checkpoint this invocation wrote
+    grad_bytes: int | None = None  # this rank's gradient bytes after the last step's backward
+
+    def took(self, result: StepResult) -> None:
+        self.first_loss = result.loss if self.first_loss is None else self.first_loss
+        self.last_loss, self.grad_bytes = result.loss, result.grad_bytes
+
+
+@dataclass
+class RunSummary:
+    """The end of a run, as summary.json writes it (summary_json; README and tests read its keys)."""
+
+    model: str
+    params: int
+    active_params: int
+    layout: str
+    steps: int  # the last step run
+    start_step: int  # the step this invocation resumed after (0: from the start)
+    first_loss: float | None  # of this invocation's first step
+    final_loss: float | None
+    val_loss: float | None
+    tokens_per_s: float  # over this invocation's steps, evaluation and checkpoints included
+    elapsed_s: float
+    checkpoint: str | None  # the latest complete checkpoint: written by this invocation or resumed from
+    metrics: str
+    tensorboard: str
+    peak_flops_known: bool  # summary.json's "mfu": null (the MFU of each logged step is in metrics.jsonl) or "unknown"
+    state_bytes_per_rank: dict[str, int] | None  # the largest rank's (moeflow.train.step.state_bytes)
+    hf_bytes_read_rank0: int | None  # set when each rank read its own Hugging Face shards
+    data: dict | None  # records, truncated conversations, packing fill (token cache path)
+    loss_curve: str | None  # loss.png (rank 0; None where nothing was logged)
+
+
+def summary_json(summary: RunSummary) -> dict:
+    """summary.json's object: the summary's fields in order, peak_flops_known written as "mfu"."""
+    out = {}
+    for key, value in asdict(summary).items():
+        if key == "peak_flops_known":
+            key, value = "mfu", None if value else "unknown"
+        out[key] = value
+    return out
 
 
 def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: bool = True) -> dict:
     """Train; resume from the newest complete checkpoint in run_dir unless `fresh`.
-    `resume=True` makes a missing checkpoint an error. Returns the summary (also in summary.json)."""
+    `resume=True` makes a missing checkpoint an error. Returns summary.json's object (summary_json)."""
     info = init_distributed(cfg.training.device, cfg.parallel.timeout_s)
     dims, batch = cfg.layout(info.world_size)
     run_dir = Path(cfg.run_dir)
@@ -47,7 +100,10 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
         loop = _run_steps(cfg, s, ckpt, start, progress, guard)
     finally:
         guard.close()
-    return _summary(cfg, s, start, loop, resumed_from, time.perf_counter() - t_start)
+    summary = summary_json(_summary(cfg, s, start, loop, resumed_from, time.perf_counter() - t_start))
+    if info.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 def _resume(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, resume: bool, fresh: bool):
@@ -76,72 +132,92 @@ def _due(every: int, step: int, is_last: bool) -> bool:
     return bool(every) and step % every == 0 or is_last
 
 
-def _peak_memory(rows: list[list[float]]) -> dict:
-    """The largest rank's peak memory (the last column of each rank's row) and which rank it is."""
-    rank = max(range(len(rows)), key=lambda r: rows[r][-1])
-    return {"peak_memory_mb": rows[rank][-1], "peak_memory_rank": rank}
+def _peak_memory(peaks_R: list[float]) -> dict:
+    """The largest rank's peak memory and which rank it is."""
+    rank = max(range(len(peaks_R)), key=peaks_R.__getitem__)
+    return {"peak_memory_mb": peaks_R[rank], "peak_memory_rank": rank}
+
+
+class _Throughput:
+    """Tokens per second over the steps since the last logging step (evaluation and checkpoints included)."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.t_window, self.steps, self.tokens_per_s = time.perf_counter(), 0, 0.0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def measure(self) -> float:
+        """The window's tokens per second; starts the next window."""
+        now = time.perf_counter()
+        self.tokens_per_s = self.steps * self.tokens_per_step / (now - self.t_window)
+        self.t_window, self.steps = now, 0
+        return self.tokens_per_s
 
 
 def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, progress: bool,
-               guard: StepGuard) -> dict:
+               guard: StepGuard) -> LoopState:
     """Steps start+1 .. stop; evaluation, metrics and checkpoints when due. Returns what the summary needs.
     A stop signal on any rank ends the run after the current step with a checkpoint (raises Preempted)."""
     t, info = cfg.training, s.info
-    stop = min(t.steps, t.stop_at) if t.stop_at > 0 else t.steps
     logger = MetricsLogger(Path(cfg.run_dir), info.is_main, cfg.metrics.tensorboard, _wandb(cfg, info.is_main))
-    tokens_per_step = t.global_batch * cfg.data.seq_len
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
     peak = peak_flops_per_device(info.device, t.dtype)
-    loop = {"stop": stop, "first_loss": None, "last_loss": None, "val_loss": None, "checkpoint": None,
-            "grad_bytes": None, "mfu_known": bool(peak)}
+    loop = LoopState(stop=min(t.steps, t.stop_at) if t.stop_at > 0 else t.steps, peak_flops_known=bool(peak))
+    throughput = _Throughput(t.global_batch * cfg.data.seq_len)
     bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", disable=not (info.is_main and progress),
                dynamic_ncols=True, mininterval=0.5)
-    t_window, steps_window, tokens_per_s = time.perf_counter(), 0, 0.0
-    for step in range(start + 1, stop + 1):
-        is_last = step == stop
+    for step in range(start + 1, loop.stop + 1):
+        is_last = step == loop.stop
+        logged = _due(cfg.metrics.log_every, step, is_last)
         guard.begin(step)
-        out = train_step(cfg, s, with_moe_stats=_due(cfg.metrics.log_every, step, is_last), measure=is_last,
-                         rank_row=lambda: (*guard.row(), peak_memory_mb(info.device)))
-        stopping = guard.end(step, out["rank_rows"]) and not is_last
+        result = train_step(cfg, s, with_moe_stats=logged, measure=is_last,
+                            per_rank=lambda: {**guard.row(), "peak_memory_mb": peak_memory_mb(info.device)})
+        stopping = guard.end(step, result.per_rank) and not is_last
         ckpt.poll()
-        steps_window += 1
-        loop["first_loss"] = out["loss"] if loop["first_loss"] is None else loop["first_loss"]
-        loop["last_loss"], loop["grad_bytes"] = out["loss"], out["grad_bytes"]
+        throughput.step()
+        loop.took(result)
         validated = _due(cfg.eval.every, step, is_last)
         if validated:
-            loop["val_loss"] = evaluate(cfg, s)
-        if _due(cfg.metrics.log_every, step, is_last):
-            now = time.perf_counter()
-            tokens_per_s = steps_window * tokens_per_step / (now - t_window)
-            t_window, steps_window = now, 0
-            record = {
-                "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
-                "mfu": tokens_per_s * flops_per_token / (peak * info.world_size) if peak else "unknown",
-                **_peak_memory(out["rank_rows"]), **out.get("losses", {}),
-            }
-            if out["skipped"]:
-                record["skipped"] = True
-            if validated and loop["val_loss"] is not None:
-                record["val_loss"] = loop["val_loss"]
-            if "moe" in out:
-                record["moe"] = out["moe"]
-            record.update(guard.log_record(step))
-            logger.log(step, record)
+            loop.val_loss = evaluate(cfg, s)
+        if logged:
+            tokens_per_s = throughput.measure()
+            mfu = tokens_per_s * flops_per_token / (peak * info.world_size) if peak else "unknown"
+            logger.log(step, _metrics_record(result, tokens_per_s, mfu, loop.val_loss if validated else None,
+                                             guard.log_record(step)))
         if cfg.checkpoint.enabled and (_due(cfg.checkpoint.every, step, is_last) or stopping):
             extra = {"step": step, "scheduler": s.scheduler.state_dict(), "sampler": s.sampler.state_dict(),
                      "layout": s.layout}
-            loop["checkpoint"] = ckpt.save(step, s.model, s.optimizer, extra)
+            loop.checkpoint = ckpt.save(step, s.model, s.optimizer, extra)
         if stopping:
             ckpt.wait()
             bar.close()
             logger.close()
-            raise Preempted(step, guard.stop_signal, loop["checkpoint"] if cfg.checkpoint.enabled else None)
-        bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.1e}", tok_s=f"{tokens_per_s:,.0f}")
+            raise Preempted(step, guard.stop_signal, loop.checkpoint if cfg.checkpoint.enabled else None)
+        bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{result.lr:.1e}", tok_s=f"{throughput.tokens_per_s:,.0f}")
         bar.update(1)
     bar.close()
     ckpt.wait()  # an async save still in flight completes before the summary names it
     logger.close()
     return loop
+
+
+def _metrics_record(result: StepResult, tokens_per_s: float, mfu: float | str, val_loss: float | None,
+                    guard_record: dict) -> dict:
+    """One line of metrics.jsonl (README names its keys): `mfu` is "unknown" without a peak FLOP/s; `val_loss` only
+    on evaluation steps, `skipped` only on skipped steps."""
+    record = {
+        "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s,
+        "mfu": mfu, **_peak_memory(result.per_rank["peak_memory_mb"]), **result.losses,
+    }
+    if result.skipped:
+        record["skipped"] = True
+    if val_loss is not None:
+        record["val_loss"] = val_loss
+    if result.moe is not None:
+        record["moe"] = {str(layer): stats.record() for layer, stats in result.moe.items()}
+    return {**record, **guard_record}
 
 
 def _wandb(cfg: JobConfig, is_main: bool):
@@ -154,30 +230,29 @@ def _wandb(cfg: JobConfig, is_main: bool):
     return WandbSink(Path(cfg.run_dir), cfg.metrics.wandb_project, tomllib.loads(to_toml(cfg)))
 
 
-def _summary(cfg: JobConfig, s: Setup, start: int, loop: dict, resumed_from, elapsed: float) -> dict:
-    stop = loop["stop"]
-    ran = stop > start
-    last_ckpt = loop["checkpoint"] or resumed_from
+def _summary(cfg: JobConfig, s: Setup, start: int, loop: LoopState, resumed_from, elapsed: float) -> RunSummary:
+    ran = loop.stop > start
+    last_ckpt = loop.checkpoint or resumed_from
     run_dir = Path(cfg.run_dir)
-    summary = {
-        "model": cfg.model.name, "params": cfg.model.num_params(), "active_params": cfg.model.num_active_params(),
-        "layout": s.layout, "steps": stop, "start_step": start, "first_loss": loop["first_loss"],
-        "final_loss": loop["last_loss"], "val_loss": loop["val_loss"],
-        "tokens_per_s": (stop - start) * cfg.training.global_batch * cfg.data.seq_len / elapsed if ran else 0.0,
-        "elapsed_s": elapsed, "checkpoint": str(last_ckpt) if last_ckpt else None,
-        "metrics": str(run_dir / "metrics.jsonl"), "tensorboard": str(run_dir / "tb"),
-        "mfu": None if loop["mfu_known"] else "unknown",
-        "state_bytes_per_rank": state_bytes(s, loop["grad_bytes"]) if ran else None,
-        "hf_bytes_read_rank0": s.hf_bytes_read,  # set when each rank read its own shards
-        "data": s.data_summary or None,  # records, truncated conversations, packing fill (token cache path)
-    }
-    if s.info.is_main:
-        from moeflow.train.run_outputs import write_loss_curve
+    return RunSummary(
+        model=cfg.model.name, params=cfg.model.num_params(), active_params=cfg.model.num_active_params(),
+        layout=s.layout, steps=loop.stop, start_step=start, first_loss=loop.first_loss, final_loss=loop.last_loss,
+        val_loss=loop.val_loss,
+        tokens_per_s=(loop.stop - start) * cfg.training.global_batch * cfg.data.seq_len / elapsed if ran else 0.0,
+        elapsed_s=elapsed, checkpoint=str(last_ckpt) if last_ckpt else None,
+        metrics=str(run_dir / "metrics.jsonl"), tensorboard=str(run_dir / "tb"),
+        peak_flops_known=loop.peak_flops_known,
+        state_bytes_per_rank=state_bytes(s, loop.grad_bytes) if ran else None,
+        hf_bytes_read_rank0=s.hf_bytes_read, data=s.data_summary or None,
+        loss_curve=_loss_curve(run_dir) if s.info.is_main else None,
+    )
 
-        curve = write_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png")
-        summary["loss_curve"] = str(curve) if curve else None
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+
+def _loss_curve(run_dir: Path) -> str | None:
+    from moeflow.train.run_outputs import write_loss_curve
+
+    curve = write_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    return str(curve) if curve else None
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
