@@ -136,7 +136,7 @@ def _plot(rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeflow.figures import save_figure
+    from moeflow.core.figures import save_figure
 
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{r['model']}\n{r['ranks']} rank{'s' * (r['ranks'] > 1)}" for r in rows]

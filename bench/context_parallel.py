@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _model(seq: int):
-    from moeflow.models.presets import get_preset
+    from moeflow.core.presets import get_preset
     from moeflow.models.transformer import Transformer
 
     cfg = get_preset("tiny-moe")
@@ -116,7 +116,7 @@ def run(cp: int, seq: int, repeats: int) -> dict:
 
 def planned_ratio(seq: int, cp: int) -> float:
     """The planner's activations(cp) / activations(1) for the same model, one layer stack, no checkpointing."""
-    from moeflow.hardware import get_gpu
+    from moeflow.core.hardware import get_gpu
     from moeflow.plan.layout import Job, Layout
     from moeflow.plan.memory import memory_per_gpu
 
@@ -132,7 +132,7 @@ def write_png(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeflow.figures import save_figure
+    from moeflow.core.figures import save_figure
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     names = [f"cp={r['cp']}" for r in rows]

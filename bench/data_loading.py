@@ -35,7 +35,7 @@ PATHS = {"packed documents": ["--data.packing=true"], "token stream (cache)": ["
 
 def _stdlib_jsonl(folder: str, max_bytes: int) -> str:
     """The standard-library corpus as a jsonl of documents, so that the stream path also goes through the cache."""
-    from moeflow.train.data import _stdlib_documents
+    from moeflow.data.stream import _stdlib_documents
 
     path = os.path.join(folder, "stdlib.jsonl")
     with open(path, "w") as fh:
@@ -116,7 +116,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeflow.figures import save_figure
+    from moeflow.core.figures import save_figure
 
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     x = range(len(rows))

@@ -108,7 +108,7 @@ def make_state(path: str) -> dict:
 
 def make_moeflow(state: dict):
     sys.path.insert(0, REPO)
-    from moeflow.models.config import ModelConfig, MoEConfig
+    from moeflow.core.model_config import ModelConfig, MoEConfig
     from moeflow.models.moe import MoE
 
     cfg = ModelConfig(dim=D, moe=MoEConfig(num_experts=E, top_k=K, ffn_dim=F_, expert_impl="grouped_mm"))
@@ -365,7 +365,7 @@ def report(res: dict, out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeflow.figures import save_figure
+    from moeflow.core.figures import save_figure
 
     names = ["moeflow", "moeflow_async", "ds_drop", "ds_nodrop", "baseline"]
     fig, ax = plt.subplots(figsize=(8, 3.5))

@@ -152,7 +152,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeflow.figures import save_figure
+    from moeflow.core.figures import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.barh([f"{r['impl']} ({'fwd+bwd' if r['backward'] else 'fwd'})" for r in rows],

@@ -37,7 +37,7 @@ T, E, K, D, F = 1024, 16, 4, 256, 256
 
 
 def make_moe():
-    from moeflow.models.config import ModelConfig, MoEConfig
+    from moeflow.core.model_config import ModelConfig, MoEConfig
     from moeflow.models.moe import MoE
 
     cfg = ModelConfig(dim=D, moe=MoEConfig(num_experts=E, top_k=K, ffn_dim=F, expert_impl="grouped_mm"))
@@ -130,9 +130,9 @@ def gpu_projection() -> list[dict]:
     """The trainer's overlap schedule (moeflow.plan.overlap: communication and compute on engines of their own)
     with moeflow.plan's GPU rates and links: one MoE layer's forward + backward per rank, bf16, uniform routing,
     chunks 0 (overlap off) / 1 / 2 / 4, against its expert compute alone."""
-    from moeflow.hardware import get_gpu
-    from moeflow.models.config import ModelConfig, MoEConfig
-    from moeflow.models.presets import get_preset
+    from moeflow.core.hardware import get_gpu
+    from moeflow.core.model_config import ModelConfig, MoEConfig
+    from moeflow.core.presets import get_preset
     from moeflow.plan.layout import Job, Layout
     from moeflow.plan.time import moe_layer_projection
 
@@ -201,7 +201,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeflow.figures import save_figure
+    from moeflow.core.figures import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     labels = [f"{w}r {'on' if o else 'off'} c{c}" for w, _, o, c, _, _ in rows]

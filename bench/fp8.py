@@ -76,7 +76,7 @@ def write_png(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeflow.figures import save_figure
+    from moeflow.core.figures import save_figure
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, model in zip(axes, ("tiny-moe", "tiny-dense")):

@@ -90,7 +90,7 @@ def info(python: str):
 
 @check("moe_block")
 def moe_block(device, T=4096, E=16, K=4, D=1024, F=1024):
-    from moeflow.models.config import ModelConfig, MoEConfig
+    from moeflow.core.model_config import ModelConfig, MoEConfig
     from moeflow.models.moe import MoE
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -187,7 +187,7 @@ def ep_world1(device):
 
 @check("ep_no_host_sync")
 def ep_no_host_sync(device, T=256, E=8, K=2, D=128):
-    from moeflow.models.config import ModelConfig, MoEConfig
+    from moeflow.core.model_config import ModelConfig, MoEConfig
     from moeflow.models.moe import MoE
     from moeflow.parallel.expert import apply_expert_parallel
 
@@ -226,10 +226,10 @@ def fsdp_bf16_world1(device, T=256):
     """FSDP2 on a one-rank NCCL mesh under bf16 autocast (moeflow.parallel.fsdp): the blocks' matmul weights
     gathered in bf16, norms, router gates and the head in fp32, loss and gradients as the unsharded model's under
     autocast (bit for bit on a CPU; on a GPU within bf16 noise: CUDA's index_add sums in no fixed order)."""
-    from moeflow.layout import ParallelDims
+    from moeflow.core.parallel_dims import ParallelDims
+    from moeflow.core.presets import get_preset
     from moeflow.models.layers import RMSNorm
     from moeflow.models.moe import GroupedExperts, Router
-    from moeflow.models.presets import get_preset
     from moeflow.models.transformer import Transformer
     from moeflow.parallel.fsdp import apply_fsdp
     from moeflow.parallel.mesh import build_mesh

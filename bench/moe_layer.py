@@ -53,8 +53,8 @@ if str(REPO) not in sys.path:
 
 from readme_figures import DISPLAY_NAMES  # noqa: E402  (bench/, the script's folder)
 
+from moeflow.core.model_config import ModelConfig, MoEConfig  # noqa: E402
 from moeflow.models import moe as moe_mod  # noqa: E402
-from moeflow.models.config import ModelConfig, MoEConfig  # noqa: E402
 
 MOEFLOW_IMPLS = ("grouped_mm", "bmm", "loop")
 HF_IMPLS = ("grouped_mm", "eager")

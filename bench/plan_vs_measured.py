@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from moeflow.models.config import ModelConfig
+from moeflow.core.model_config import ModelConfig
 from moeflow.models.transformer import Transformer
 from moeflow.plan.calibrate import calibrate
 from moeflow.plan.layout import Job, Layout
@@ -138,7 +138,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeflow.figures import save_figure
+    from moeflow.core.figures import save_figure
 
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
     for r in rows:

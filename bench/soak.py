@@ -246,7 +246,7 @@ def _plot(out: Path, ref: dict, flt: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeflow.figures import save_figure
+    from moeflow.core.figures import save_figure
 
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     for part, data, style in (("reference", ref, ":"), ("faulted", flt, "-")):

@@ -15,7 +15,7 @@ def __getattr__(name: str):
 
         return parallelize
     if name == "ParallelDims":
-        from moeflow.layout import ParallelDims
+        from moeflow.core.parallel_dims import ParallelDims
 
         return ParallelDims
     if name == "ParallelOptions":

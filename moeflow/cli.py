@@ -55,10 +55,12 @@ def _train_parser() -> argparse.ArgumentParser:
 
 def _help_config() -> str:
     from moeflow.config import all_keys
+    from moeflow.core.choices import SETTINGS
 
     lines = []
     for key, (typ, doc) in all_keys().items():
-        lines.append(f"  --{key}=<{getattr(typ, '__name__', str(typ))}>\n      {doc}")
+        choices = f"\n      one of: {', '.join(SETTINGS[key])}" if key in SETTINGS else ""
+        lines.append(f"  --{key}=<{getattr(typ, '__name__', str(typ))}>\n      {doc}{choices}")
     return "settings (model.* keys override the preset chosen by model.name):\n" + "\n".join(lines)
 
 
@@ -66,7 +68,7 @@ def _refuse_what_this_torch_cannot_run(cfg, device: str) -> None:
     """The pipelines moeflow.parallel.torch_compat refuses in every rank, said once here before any process starts."""
     if cfg.parallel.pp <= 1:
         return
-    from moeflow.layout.schedules import SCHEDULES, resolve_schedule
+    from moeflow.core.schedules import SCHEDULES, resolve_schedule
     from moeflow.parallel.runner import pipeline_counts_first
     from moeflow.parallel.torch_compat import pipeline_refusal
 

@@ -19,10 +19,17 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from moeflow.errors import check_choice, closest
-from moeflow.layout import BatchSplit, ParallelDims
-from moeflow.models.config import ModelConfig, MoEConfig, grouped_mm_alignment_error
-from moeflow.models.presets import get_preset
+from moeflow.core.choices import (
+    DEEP_EP_GROUP_SIZES,
+    DEEP_EP_NODE_SIZES,
+    EP_LIBRARIES,
+    SETTINGS,
+    recompute_every,
+)
+from moeflow.core.errors import check_choice, closest
+from moeflow.core.model_config import ModelConfig, MoEConfig, grouped_mm_alignment_error
+from moeflow.core.parallel_dims import BatchSplit, ParallelDims
+from moeflow.core.presets import get_preset
 
 
 @dataclass
@@ -89,11 +96,11 @@ class TrainingConfig:
     dtype: str = "fp32"
     """'fp32', or 'bf16' (autocast; weights and optimizer state stay fp32)."""
     activation_checkpointing: str = "none"
-    """'none', 'full' (recompute every block), or 'every-N' (every N-th block)."""
+    """'full' recomputes every block, 'every-N' every N-th block."""
     compile: bool = False
     """torch.compile each transformer block (the first steps are slower while it compiles)."""
     fp8: str = "none"
-    """FP8 matmuls through torchao: 'none', 'tensorwise', 'rowwise' or 'mxfp8'. Dense and attention Linear layers
+    """FP8 matmuls through torchao (the recipe's name). Dense and attention Linear layers
     and the routed experts compute in FP8; router, output head, embeddings and norms stay high precision, and so do
     weights, optimizer state and checkpoints. Needs an FP8 GPU; a CPU emulates (tests; refused for an MoE model
     with tensorwise/rowwise, whose FP8 grouped GEMM has no emulation). See moeflow/parallel/fp8.py."""
@@ -108,10 +115,6 @@ class TrainingConfig:
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True): deterministic kernels or an error, for bit-identical runs on CUDA
     (slower there). On the CPU runs are bit-identical without it."""
-
-
-EP_BACKENDS = ("auto", "alltoall", "hierarchical", "allgather", "deep_ep", "uccl")
-DEEP_EP_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)  # keys of DeepEP V1's get_dispatch_config
 
 
 @dataclass
@@ -131,18 +134,18 @@ class ParallelConfig:
     over the data-parallel ranks; experts over the expert-data-parallel ones): 1 gathers the parameters once
     per step and keeps them through its micro-batches, 2 from each forward to its backward, 3 per layer."""
     pp_schedule: str = "1F1B"
-    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
+    """Pipeline schedule (torch.distributed.pipelining's, and DualPipeV)."""
     pp_microbatches: int = 0
     """Pipeline micro-batches per step; 0 = per-rank batch / training.micro_batch (one sequence each if unset)."""
     ep_over_tp: bool = True
     """With tp > 1, spread the experts over the tp ranks too (EP group ep x tp; each tp rank routes its sequence
     slice: no redundant MoE compute); false computes every MoE layer whole on every tp rank."""
     ep_backend: str = "auto"
-    """How EP moves tokens: moeflow.ep's own 'auto', 'alltoall', 'hierarchical', 'allgather' (any
+    """How EP moves tokens: moeflow.ep's own ('auto' picks 'hierarchical' over several nodes, else 'alltoall'; any
     torch.distributed backend), or the installed `deep_ep` package: 'deep_ep' (DeepEP, or UCCL-EP's drop-in) or
     'uccl' (UCCL-EP's drop-in only). DeepEP needs CUDA GPUs, training.dtype='bf16' (its combine kernels are bf16)
-    and an EP size of 2, 4 or 8 in a node, or 16, 24, 32, 48, 64, 96, 128, 144 or 160 across nodes. With ep=1 no
-    tokens move and it is unused."""
+    and an EP size it has kernels for (moeflow/core/choices.py DEEP_EP_GROUP_SIZES). With ep=1 no tokens move and
+    it is unused."""
     ep_overlap: bool | None = None
     """Expert parallelism: start each dispatch / combine asynchronously and wait as late as possible (the shared
     experts, and other chunks' experts, compute meanwhile), in forward and backward; results equal off. None
@@ -226,10 +229,8 @@ class JobConfig:
             self.model = training_config(self.model)
         self.model.validate()
         t = self.training
-        check_choice("training.dtype", t.dtype, ("fp32", "bf16"))
-        check_choice("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
-        check_choice("training.device", t.device, ("auto", "cpu", "cuda"))
-        check_choice("training.fp8", t.fp8, ("none", "tensorwise", "rowwise", "mxfp8"))
+        for name in ("dtype", "on_nonfinite", "device", "fp8"):
+            check_choice(f"training.{name}", getattr(t, name), SETTINGS[f"training.{name}"])
         if self.metrics.wandb and importlib.util.find_spec("wandb") is None:  # before any process starts
             raise ValueError("metrics.wandb = true needs the wandb package: pip install -e .[wandb] (or set "
                              "metrics.wandb = false)")
@@ -241,10 +242,9 @@ class JobConfig:
         if t.fp8 != "none":
             self._validate_fp8()
         ac = t.activation_checkpointing
-        if ac not in ("none", "full") and not (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0):
-            raise ValueError(
-                f"training.activation_checkpointing = {ac!r}; use 'none', 'full' or 'every-N' (e.g. 'every-2')"
-            )
+        if recompute_every(ac) is None:
+            raise ValueError(f"training.activation_checkpointing = {ac!r}; use one of "
+                             f"{list(SETTINGS['training.activation_checkpointing'])} (e.g. 'every-2')")
         for key in ("steps", "global_batch"):
             if getattr(t, key) <= 0:
                 raise ValueError(f"training.{key} must be positive, got {getattr(t, key)}")
@@ -255,10 +255,9 @@ class JobConfig:
             )
         if not 0 < self.data.val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
-        check_choice("data.token_dtype", self.data.token_dtype, ("uint16", "uint32"))
-        check_choice("data.format", self.data.format, ("text", "chat", "instruction"))
-        check_choice("data.overlong", self.data.overlong, ("truncate", "drop", "error"))
-        check_choice("parallel.ep_backend", self.parallel.ep_backend, EP_BACKENDS)
+        for name in ("token_dtype", "format", "overlong"):
+            check_choice(f"data.{name}", getattr(self.data, name), SETTINGS[f"data.{name}"])
+        check_choice("parallel.ep_backend", self.parallel.ep_backend, SETTINGS["parallel.ep_backend"])
         p = self.parallel
         if p.ep_overlap_chunks < 1:
             raise ValueError(f"parallel.ep_overlap_chunks must be at least 1, got {p.ep_overlap_chunks}")
@@ -319,12 +318,13 @@ class JobConfig:
                             zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp, cp=p.cp)
         dims.check_model(self.model)
         dims.check_sequence(self.data.seq_len)
-        if p.ep_backend in ("deep_ep", "uccl") and dims.ep > 1 and dims.ep not in DEEP_EP_SIZES:
+        if p.ep_backend in EP_LIBRARIES and dims.ep > 1 and dims.ep not in DEEP_EP_GROUP_SIZES:
             # The library's own config table decides at start-up (UCCL-EP lacks 48 and 96); this is the part
             # both share, checked before any rank starts: DeepEP V1's get_dispatch_config keys.
             raise ValueError(
-                f"parallel.ep = {dims.ep} with parallel.ep_backend = {p.ep_backend!r}: DeepEP runs EP groups of 2, 4, "
-                f"8 (one node) or {', '.join(map(str, DEEP_EP_SIZES[3:]))} ranks; choose one of those for "
+                f"parallel.ep = {dims.ep} with parallel.ep_backend = {p.ep_backend!r}: DeepEP runs EP groups of "
+                f"{', '.join(map(str, DEEP_EP_NODE_SIZES))} (one node) or "
+                f"{', '.join(map(str, DEEP_EP_GROUP_SIZES[len(DEEP_EP_NODE_SIZES):]))} ranks; choose one of those for "
                 f"parallel.ep, or parallel.ep_backend = 'auto' (moeflow's own dispatch takes any size)"
             )
         return dims, dims.split_batch(t.global_batch, t.micro_batch, p.pp_microbatches)
@@ -349,7 +349,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _hints(cls: type) -> dict[str, typing.Any]:
-    import moeflow.models.config as model_config
+    import moeflow.core.model_config as model_config
 
     return typing.get_type_hints(cls, vars(model_config) | globals())
 

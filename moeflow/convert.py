@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _supported() -> str:
-    from moeflow.models.hf_arch import SUPPORTED
+    from moeflow.core.hf_arch import SUPPORTED
 
     return SUPPORTED
 

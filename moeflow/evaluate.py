@@ -42,11 +42,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def evaluate(model, batches, device) -> dict:
-    """Summed loss and counts over `batches` (moeflow.train.data.Batch)."""
+    """Summed loss and counts over `batches` (moeflow.data.stream.Batch)."""
     import torch
 
+    from moeflow.data.stream import IGNORE_INDEX
     from moeflow.parallel.loss import tp_loss
-    from moeflow.train.data import IGNORE_INDEX
 
     total, trained, positions = 0.0, 0, 0
     t0 = time.perf_counter()
@@ -67,10 +67,10 @@ def eval_batches(job, batch_size: int, max_batches: int):
     """Every document of job.data.source as Batches, in order."""
     import numpy as np
 
-    from moeflow.train.data import TokenWindows
+    from moeflow.data.packing import DocumentRows
+    from moeflow.data.stream import TokenWindows
+    from moeflow.data.token_cache import open_cache
     from moeflow.train.data_setup import _stream_tokens, prepare, uses_cache
-    from moeflow.train.packing import DocumentRows
-    from moeflow.train.token_cache import open_cache
 
     d = job.data
     if not uses_cache(job):

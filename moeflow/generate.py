@@ -59,7 +59,7 @@ def tokenizer_folder(job, run: Path, origin: Path) -> Path | None:
     """Where the run's tokenizer files are: data.tokenizer's folder (for 'auto', the tokenizer.json beside the
     training data, as training found it), the Hugging Face folder it started from, or the run directory itself
     (moeflow convert hf-to-moeflow copies them there)."""
-    from moeflow.train.tokenizer import tokenizer_json_near
+    from moeflow.data.tokenizer import tokenizer_json_near
 
     spec = job.data.tokenizer
     if spec == "auto":
@@ -98,7 +98,7 @@ class TextCodec:
             transformers.logging.set_verbosity_error()
             self.hf = transformers.AutoTokenizer.from_pretrained(str(folder))
         else:
-            from moeflow.train.tokenizer import ByteTokenizer, HFTokenizer
+            from moeflow.data.tokenizer import ByteTokenizer, HFTokenizer
 
             tok_json = folder / "tokenizer.json" if folder is not None else None
             self.plain = HFTokenizer(tok_json) if tok_json is not None and tok_json.is_file() else ByteTokenizer()

@@ -132,7 +132,7 @@ def case_odd_local_length_refused(groups):
 
 
 def _model(kind: str):
-    from moeflow.models.config import ModelConfig
+    from moeflow.core.model_config import ModelConfig
     from moeflow.models.transformer import Transformer
 
     common = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=64, init_std=0.1)

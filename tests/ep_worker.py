@@ -107,7 +107,7 @@ def _sum_stats(buf) -> list[int]:
 def case_reference(ctx, routing, backend, G, W=0, align=1, D=8, check_bytes=True):
     """dispatch + combine (+ gradients) vs the reference, bit for bit in fp32; bytes vs the bounds."""
     from moeflow.ep import reference
-    from moeflow.ep.layout import combine_row_bytes, dispatch_row_bytes, traffic_bytes
+    from moeflow.ep.counts import combine_row_bytes, dispatch_row_bytes, traffic_bytes
 
     E, K, me, R = routing["E"], routing["K"], ctx.rank, ctx.world
     idxs, xs, ws = build(routing, D)
@@ -164,7 +164,7 @@ def case_reference(ctx, routing, backend, G, W=0, align=1, D=8, check_bytes=True
 def case_static_overflow(ctx, routing, G, C=1, D=8):
     """num_worst_tokens = R x C: each peer gets C slots of a rank's tokens; the rest of a rank's copies for that
     peer are dropped and counted. Brute force here: which rows arrive, how many copies were dropped."""
-    from moeflow.ep.layout import token_rank_mask
+    from moeflow.ep.counts import token_rank_mask
 
     E, me, R = routing["E"], ctx.rank, ctx.world
     idxs, xs, ws = build(routing, D)
@@ -294,7 +294,7 @@ def case_layout_only(ctx, routing, backend, G, D=8):
 def case_fp8(ctx, routing, backend, G):
     """fp8 tuple input: the received values and scales are the sent bytes; bytes recorded per the doc."""
     from moeflow.ep import per_token_cast_back, per_token_cast_to_fp8, reference
-    from moeflow.ep.layout import dispatch_row_bytes, traffic_bytes
+    from moeflow.ep.counts import dispatch_row_bytes, traffic_bytes
 
     E, K, me, D = routing["E"], routing["K"], ctx.rank, 128
     idxs, xs, _ = build(routing, D)
@@ -503,7 +503,7 @@ def case_moe_autocast(ctx, backend, G, T=6, E=8, K=2, dim=16):
         y_ref = moe(x_all)[me * T:(me + 1) * T]
         ep.dispatcher.buffer.reset_stats()
         y = ep(x)
-    from moeflow.ep.layout import combine_row_bytes, dispatch_row_bytes
+    from moeflow.ep.counts import combine_row_bytes, dispatch_row_bytes
 
     s = copy.copy(ep.dispatcher.buffer.stats)  # the forward's (backward moves gradients too)
     y.sum().backward()
@@ -524,7 +524,7 @@ def case_moe_autocast(ctx, backend, G, T=6, E=8, K=2, dim=16):
 
 def seeded_moe(E: int, K: int, dim: int, shared: bool = True, expert_impl: str = "grouped_mm"):
     """A bare MoE layer (FFN width 12) with seeded N(0, 0.3) weights: a bare module's are uninitialised memory."""
-    from moeflow.models.config import ModelConfig, MoEConfig
+    from moeflow.core.model_config import ModelConfig, MoEConfig
     from moeflow.models.moe import MoE
 
     cfg = ModelConfig(dim=dim, moe=MoEConfig(num_experts=E, top_k=K, ffn_dim=12,

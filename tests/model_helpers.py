@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from moeflow.models.config import MoEConfig
+from moeflow.core.model_config import MoEConfig
 
 SMALL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=32)
 

@@ -45,7 +45,7 @@ class Ctx:
 
 def tiny_config(kind: str):
     """moeflow's tiny presets, shrunk (dim 32, 4 layers, 4 experts) so a case takes a fraction of a second."""
-    from moeflow.models.presets import PRESETS
+    from moeflow.core.presets import PRESETS
 
     cfg = PRESETS["tiny-moe" if kind == "moe" else "tiny-dense"]
     cfg = cfg.replace(vocab_size=64, dim=32, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=SEQ)
@@ -99,8 +99,8 @@ def case_train(ctx, kind: str, schedule: str, pp: int, dp: int = 1, n_microbatch
     ep: expert parallelism over the dp ranks inside the MoE blocks (moeflow.parallel.expert), with
     the data-parallel gradient reduction done by hand instead of FSDP."""
     from moeflow.models.transformer import Transformer
-    from moeflow.parallel.checkpointing import apply_activation_checkpointing
     from moeflow.parallel.pipeline import build_schedule, build_stage_modules
+    from moeflow.parallel.recompute import apply_activation_checkpointing
     from moeflow.parallel.runner import router_layers
 
     assert pp * dp == ctx.world

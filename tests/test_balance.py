@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moeflow.models.moe as moe_module
-from moeflow.models.config import ModelConfig, MoEConfig
+from moeflow.core.model_config import ModelConfig, MoEConfig
 from moeflow.models.moe import MoE, Router, pad_groups
 from moeflow.models.transformer import Transformer
 from moeflow.parallel.runner import LocalRunner
@@ -153,7 +153,7 @@ def test_gradient_accumulation_equals_one_forward(aux_loss_type):
 
 def test_global_batch_loss_under_activation_checkpointing():
     """Recomputed blocks take the counting pass (parallelize sees to it): gradients as without recomputation."""
-    from moeflow.layout import ParallelDims
+    from moeflow.core.parallel_dims import ParallelDims
     from moeflow.parallel.options import ParallelOptions
     from moeflow.parallel.parallelize import parallelize
 
@@ -274,7 +274,7 @@ def test_bad_settings_are_refused():
         ModelConfig(moe=MoEConfig(pad_to_capacity=True)).validate()
     with pytest.raises(ValueError, match="drop_policy"):
         ModelConfig(moe=MoEConfig(drop_policy="random")).validate()
-    from moeflow.layout import ParallelDims
+    from moeflow.core.parallel_dims import ParallelDims
 
     with pytest.raises(ValueError, match="pad_to_capacity with expert parallelism"):
         ParallelDims(2, ep=2).check_model(ModelConfig(moe=MoEConfig(capacity_factor=1.0, pad_to_capacity=True)))

@@ -13,10 +13,10 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from moeflow.config import load_config, parse_overrides  # noqa: E402
-from moeflow.train.chat import encode_chat, instruction_to_messages  # noqa: E402
+from moeflow.data.chat import encode_chat, instruction_to_messages  # noqa: E402
+from moeflow.data.packing import DocumentRows, first_fit  # noqa: E402
+from moeflow.data.token_cache import open_cache  # noqa: E402
 from moeflow.train.data_setup import build_data, prepare  # noqa: E402
-from moeflow.train.packing import DocumentRows, first_fit  # noqa: E402
-from moeflow.train.token_cache import open_cache  # noqa: E402
 from tests.data_fixtures import conversations, make_chat_tokenizer, sentence, write_jsonl  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -187,7 +187,7 @@ def test_rows_hold_every_document_once(tmp_path, tok_dir, packed):
 def test_resume_mid_epoch_under_another_layout_gives_the_same_batches(tmp_path, tok_dir):
     import torch
 
-    from moeflow.train.data import BatchSampler
+    from moeflow.data.stream import BatchSampler
 
     data = write_jsonl(tmp_path / "chat.jsonl", conversations(60, seed=6))
     cache = open_cache(prepare(_cfg(tmp_path, data, "--data.format=chat", tok=tok_dir)))

@@ -128,3 +128,17 @@ def test_wandb_without_the_package_is_refused_before_any_process(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     with pytest.raises(ValueError, match=r"metrics.wandb = true needs the wandb package: pip install"):
         load_config(None, parse_overrides(["--metrics.wandb=true"]))
+
+
+def test_every_registered_choice_is_a_setting_checked_and_listed():
+    """moeflow/core/choices.py is the one list of each setting's values: every entry names a real setting, a value
+    outside it is refused naming the setting, and --help-config lists the values."""
+    from moeflow.cli import _help_config
+    from moeflow.core.choices import SETTINGS
+
+    keys, help_text = all_keys(), _help_config()
+    for setting, choices in SETTINGS.items():
+        assert setting in keys, setting
+        assert f"one of: {', '.join(choices)}" in help_text, setting
+        with pytest.raises(ValueError, match=setting.replace(".", r"\.")):
+            load_config(None, {setting: "not-a-choice"}).layout(1)

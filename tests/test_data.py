@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from moeflow.train.data import BatchSampler, load_tokens, split_tokens, stdlib_files, val_batches
-from moeflow.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from moeflow.data.stream import BatchSampler, load_tokens, split_tokens, stdlib_files, val_batches
+from moeflow.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 SENTENCES = ["the cat sat on the mat", "a dog ate the bone", "the bird sang a song"]
 

@@ -19,7 +19,7 @@ FACTORIES = {"arange", "zeros", "empty", "ones", "full", "tensor", "randn", "ran
 
 # (file, enclosing function, factory) -> why it is created where it is.
 ALLOWED = {
-    ("moeflow/ep/layout.py", "copies", "arange"):
+    ("moeflow/ep/counts.py", "copies", "arange"):
         "byte accounting on the host: `copies` moves topk_idx to the CPU first (docs/ep-bytes.md counts)",
     ("moeflow/models/moe.py", "__init__", "zeros"):
         "a module buffer made at construction; modules move to their device with model.to / to_empty",
@@ -27,7 +27,7 @@ ALLOWED = {
         "module parameters made at construction; modules move to their device with model.to / to_empty",
     ("moeflow/train/hf_sharded.py", "load_owned", "empty"):
         "a host staging buffer for a tensor read from a safetensors file, copied into the device shard after",
-    ("moeflow/train/state.py", "placeholders", "zeros"):
+    ("moeflow/train/state_dict.py", "placeholders", "zeros"):
         "the DCP placeholder of AdamW's `step`, which torch's AdamW keeps as a CPU scalar (not fused/capturable)",
 }
 

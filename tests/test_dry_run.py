@@ -7,7 +7,7 @@ the planner's ZeRO memory formulas (moeflow.plan.memory), which never build a mo
 import pytest
 
 from moeflow.config import load_config
-from moeflow.hardware import get_gpu
+from moeflow.core.hardware import get_gpu
 from moeflow.plan.layout import Job, Layout
 from moeflow.plan.memory import model_state_bytes, stage_params
 from moeflow.train.dry_run import rank_state

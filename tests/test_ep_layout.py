@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeflow.ep import Buffer, per_token_cast_back, per_token_cast_to_fp8, reference, wire
-from moeflow.ep import layout as L
+from moeflow.ep import counts as L
 
 pytestmark = pytest.mark.timeout(60)
 

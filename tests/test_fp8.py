@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from moeflow.layout import ParallelDims
-from moeflow.models.config import ModelConfig, MoEConfig
+from moeflow.core.model_config import ModelConfig, MoEConfig
+from moeflow.core.parallel_dims import ParallelDims
 from moeflow.models.transformer import Transformer
 from moeflow.parallel.options import ParallelOptions
 from moeflow.parallel.parallelize import parallelize

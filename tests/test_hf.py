@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from moeflow.cli import main as cli_main  # noqa: E402
 from moeflow.config import JobConfig, load_config, to_toml  # noqa: E402
-from moeflow.models.config import ModelConfig, MoEConfig  # noqa: E402
+from moeflow.core.model_config import ModelConfig, MoEConfig  # noqa: E402
 from moeflow.models.hf import from_pretrained, load_for_training, save_pretrained  # noqa: E402
 from moeflow.models.hf_live import replace_sparse_moe_blocks  # noqa: E402
 from moeflow.models.moe import MoE  # noqa: E402

@@ -106,7 +106,7 @@ RESHARD = [["--parallel.zero=1", "--training.stop_at=2"], ["--parallel.tp=2", "-
 def _planned_elements(cfg, sizes) -> dict[str, float]:
     """The planner's per-GPU parameter / gradient / optimizer element counts for the fullest stage (its bytes
     are for bf16 weights and grads, 2 each, and 12 of fp32 AdamW state; moeflow trains here in fp32)."""
-    from moeflow.hardware import get_gpu
+    from moeflow.core.hardware import get_gpu
     from moeflow.plan.layout import Job, Layout
     from moeflow.plan.memory import model_state_per_rank
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.models.config import ModelConfig, MoEConfig
-from moeflow.models.presets import PRESETS, PUBLISHED, get_preset
+from moeflow.core.model_config import ModelConfig, MoEConfig
+from moeflow.core.presets import PRESETS, PUBLISHED, get_preset
 from moeflow.models.transformer import Transformer
 from tests.model_helpers import MLA_SMALL, SMALL, small_moe
 

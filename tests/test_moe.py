@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeflow.models.config import ModelConfig, MoEConfig
+from moeflow.core.model_config import ModelConfig, MoEConfig
 from moeflow.models.moe import GroupedExperts, MoE, Router, expert_matmuls, permute_by_expert
 from tests.model_helpers import SMALL
 from tests.numerics import assert_same_up_to_order

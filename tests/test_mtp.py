@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeflow.models.config import ModelConfig, MoEConfig
+from moeflow.core.model_config import ModelConfig, MoEConfig
 from moeflow.models.mtp import split_mtp_logits
 from moeflow.models.transformer import Transformer
 from moeflow.parallel.runner import MTPObjective
@@ -98,7 +98,7 @@ def test_mtp_parameters_are_counted():
     assert sum(p.numel() for p in model.parameters()) == model.cfg.num_params()
     # the formula for the MTP modules alone, against the modules built (num_params adds mtp_params itself)
     assert sum(p.numel() for p in model.mtp.parameters()) == model.cfg.mtp_params()
-    from moeflow.layout import ParallelDims
+    from moeflow.core.parallel_dims import ParallelDims
 
     with pytest.raises(ValueError, match="mtp_depth = 1 with parallel.tp = 2"):
         ParallelDims(2, tp=2).check_model(ModelConfig(mtp_depth=1))

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moeflow.core.model_config import ModelConfig
 from moeflow.models.attention import document_causal_mask
-from moeflow.models.config import ModelConfig
 from moeflow.models.kv_cache import KVCache
 from moeflow.models.transformer import Transformer
 from tests.model_helpers import MLA_SMALL, SMALL, small_moe

@@ -2,8 +2,8 @@
 
 import pytest
 
-from moeflow.layout import ParallelDims
-from moeflow.models.presets import get_preset
+from moeflow.core.parallel_dims import ParallelDims
+from moeflow.core.presets import get_preset
 
 
 def test_dp_shard_minus_one_takes_the_rest():

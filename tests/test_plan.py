@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from moeflow.hardware import get_gpu
-from moeflow.layout.schedules import SCHEDULES
-from moeflow.models.config import ModelConfig, MoEConfig
-from moeflow.models.hf_arch import config_from_hf
-from moeflow.models.presets import PUBLISHED, get_preset
+from moeflow.core.hardware import get_gpu
+from moeflow.core.hf_arch import config_from_hf
+from moeflow.core.model_config import ModelConfig, MoEConfig
+from moeflow.core.presets import PUBLISHED, get_preset
+from moeflow.core.schedules import SCHEDULES
 from moeflow.plan.advice import advise
 from moeflow.plan.cli import load_model, plan
 from moeflow.plan.cli import main as plan_main
@@ -431,7 +431,7 @@ def test_schedule_changes_activation_memory():
 
 
 def test_search_picks_a_schedule_the_trainer_runs():
-    from moeflow.layout import ParallelDims
+    from moeflow.core.parallel_dims import ParallelDims
 
     cfg = get_preset("llama3-70b")
     job = job_for(cfg, "H100-80GB", 8, 8, 4096, 4096 * 256)

@@ -6,7 +6,7 @@ built on the meta device and parallelized as a given rank of the N-rank job woul
 per-rank parameter, gradient and optimizer-state element counts the dry run measures on the built tensors must
 be within 5% of the planner's formulas (moeflow.plan.memory: per-layer counts from the model config, split by
 ZeRO stage, tp, ep and data-parallel size, never a model). The two share only the pipeline split, the trainer's
-(moeflow.layout.schedules.pipeline_layout), which is what places layers on ranks.
+(moeflow.core.schedules.pipeline_layout), which is what places layers on ranks.
 
 Units: the planner's memory is bytes of bf16 weights (2), bf16 gradients (2) and fp32 AdamW state (12: master
 weights and two moments) per parameter (ZeRO, Rajbhandari et al. 2020); the dry run's are fp32 weights and
@@ -28,9 +28,9 @@ from dataclasses import fields
 import pytest
 
 from moeflow.config import load_config
-from moeflow.hardware import get_gpu
-from moeflow.layout.dims import SIZE_KEYS
-from moeflow.models.presets import get_preset
+from moeflow.core.hardware import get_gpu
+from moeflow.core.parallel_dims import SIZE_KEYS
+from moeflow.core.presets import get_preset
 from moeflow.plan.cli import plan
 from moeflow.plan.layout import Job, Layout
 from moeflow.plan.memory import GB, model_state_per_rank

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from moeflow.hardware import get_gpu
-from moeflow.models.config import ModelConfig
-from moeflow.models.presets import get_preset
+from moeflow.core.hardware import get_gpu
+from moeflow.core.model_config import ModelConfig
+from moeflow.core.presets import get_preset
 from moeflow.plan.compute import KERNEL_EFFICIENCY
 from moeflow.plan.layout import Job, Layout
 from moeflow.plan.time import step_time

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from moeflow.layout.schedules import (
+from moeflow.core.schedules import (
     SCHEDULES,
     pipeline_layout,
     resolve_schedule,

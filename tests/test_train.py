@@ -314,9 +314,9 @@ def test_checkpoint_experts_pass_through_host_memory():
     host, not beside training's state on the device (shown with the model on the meta device)."""
     import torch
 
-    from moeflow.models.config import ModelConfig, MoEConfig
+    from moeflow.core.model_config import ModelConfig, MoEConfig
     from moeflow.models.transformer import Transformer
-    from moeflow.train.state import placeholders
+    from moeflow.train.state_dict import placeholders
 
     with torch.device("meta"):
         model = Transformer(ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32,

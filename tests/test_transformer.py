@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeflow.models.config import ModelConfig, MoEConfig
-from moeflow.models.presets import get_preset
+from moeflow.core.model_config import ModelConfig, MoEConfig
+from moeflow.core.presets import get_preset
 from moeflow.models.transformer import Attention, Transformer
 from tests.model_helpers import MLA_SMALL, SMALL, _seed_model, small_moe
 from tests.numerics import assert_same_up_to_order, forward_reduction

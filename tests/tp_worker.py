@@ -55,8 +55,8 @@ def run_inline(cases) -> dict[str, str]:
 
 
 def moeflow_model(kind: str, **overrides):
-    from moeflow.models.config import ModelConfig, MoEConfig
-    from moeflow.models.presets import get_preset
+    from moeflow.core.model_config import ModelConfig, MoEConfig
+    from moeflow.core.presets import get_preset
     from moeflow.models.transformer import Transformer
 
     if kind == "dense":
@@ -191,7 +191,7 @@ def case_moeflow(kind: str, dp: int = 1, checkpointing: str = "none", **override
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from moeflow.parallel.checkpointing import apply_activation_checkpointing
+    from moeflow.parallel.recompute import apply_activation_checkpointing
     from moeflow.parallel.tensor import apply_tensor_parallel
 
     world = dist.get_world_size()
@@ -408,7 +408,7 @@ def case_bad_inputs():
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     import moeflow
-    from moeflow.layout import ParallelDims
+    from moeflow.core.parallel_dims import ParallelDims
     from moeflow.parallel.adapter import adapter_for
     from moeflow.parallel.tensor import apply_tensor_parallel, tp_plan
 

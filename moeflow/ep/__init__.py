@@ -7,10 +7,10 @@ for what `buffer.stats` counts.
 
 from moeflow.ep.buffer import Buffer
 from moeflow.ep.comm import EPStats
+from moeflow.ep.counts import get_dispatch_layout, lower_bound_bytes, traffic_bytes
 from moeflow.ep.event import EventOverlap
 from moeflow.ep.fp8 import per_token_cast_back, per_token_cast_to_fp8
 from moeflow.ep.inflight import InFlight
-from moeflow.ep.layout import get_dispatch_layout, lower_bound_bytes, traffic_bytes
 from moeflow.ep.routing import EPHandle
 
 __all__ = [

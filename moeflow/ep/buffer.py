@@ -33,9 +33,10 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from moeflow.core.choices import EP_BACKENDS, EP_LIBRARIES
 from moeflow.ep import checks, transfer
-from moeflow.ep import layout as L_
-from moeflow.ep.backends import BACKENDS, make_backend
+from moeflow.ep import counts as L_
+from moeflow.ep.backends import make_backend
 from moeflow.ep.backends.base import Topology
 from moeflow.ep.backends.static import StaticBackend
 from moeflow.ep.comm import Comm, EPStats, node_comms
@@ -72,9 +73,9 @@ class Buffer:
             ranks_per_node: G, dividing the group size; None: from LOCAL_WORLD_SIZE, or the whole group as one node.
             timeout_s: how long a collective may wait for its peers before a TimeoutError names the call.
         """
-        from moeflow.errors import check_choice
+        from moeflow.core.errors import check_choice
 
-        check_choice("Buffer(backend=...)", backend, ("auto", *BACKENDS, "deep_ep", "uccl"))
+        check_choice("Buffer(backend=...)", backend, EP_BACKENDS)
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
         self.group = group
@@ -92,7 +93,7 @@ class Buffer:
         self.stats = EPStats()
         self._id = next(_BUFFER_IDS)
         self._external = None
-        if backend in ("deep_ep", "uccl"):
+        if backend in EP_LIBRARIES:
             from moeflow.ep.backends.external import make_external
 
             self._external = make_external(backend, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode,

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from moeflow.ep import layout as L_
+from moeflow.ep import counts as L_
 from moeflow.ep.fp8 import FP8_BLOCK, check_fp8_hidden
 from moeflow.ep.routing import EPHandle, LayoutCounts, NewDispatch
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.ep import layout as L_
+from moeflow.ep import counts as L_
 from moeflow.ep import wire
 from moeflow.ep.event import EventOverlap
 from moeflow.ep.fp8 import check_fp8_hidden, per_token_cast_to_fp8

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.ep.layout import token_rank_mask
+from moeflow.ep.counts import token_rank_mask
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.ep import layout as L_
+from moeflow.ep import counts as L_
 from moeflow.ep import wire
 from moeflow.ep.backends.base import Counts, Route
 from moeflow.ep.backends.static import StaticBackend

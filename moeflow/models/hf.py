@@ -6,7 +6,7 @@ and each file is read tensor by tensor straight into its place, so the model is 
 per-expert tensors land in their slice of moeflow's 3-D expert weights. Before any data is read, every file's
 header is checked against what the architecture needs (missing, extra, wrong shape, truncated file), so bad
 input fails fast with the tensor's name. Saving writes the layout transformers' own save_pretrained writes
-(one tensor per expert), a shard at a time. The name tables are in moeflow.models.hf_arch; live `transformers`
+(one tensor per expert), a shard at a time. The name tables are in moeflow.core.hf_arch; live `transformers`
 modules (swapping HF's MoE blocks for moeflow's) are in moeflow.models.hf_live.
 
 Shape suffixes: E experts, D model width, F expert width.
@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from moeflow.models.config import ModelConfig
-from moeflow.models.hf_arch import (
+from moeflow.core.hf_arch import (
     Arch,
     Rule,
     arch_named,
@@ -34,6 +33,7 @@ from moeflow.models.hf_arch import (
     mtp_tensor_names,
     tensor_rules,
 )
+from moeflow.core.model_config import ModelConfig
 from moeflow.models.transformer import Transformer
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeflow.core.hf_arch import arch_of, config_from_hf, moe_block_rules
 from moeflow.models.hf import copy_into
-from moeflow.models.hf_arch import arch_of, config_from_hf, moe_block_rules
 from moeflow.models.moe import MoE
 
 SPARSE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "OlmoeSparseMoeBlock", "DeepseekV3MoE")

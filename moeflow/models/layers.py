@@ -11,8 +11,8 @@ import math
 import torch
 from torch import nn
 
+from moeflow.core.model_config import RopeScaling
 from moeflow.models.attention import attend
-from moeflow.models.config import RopeScaling
 
 
 def autocast_input(x: torch.Tensor) -> torch.Tensor:

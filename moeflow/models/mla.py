@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeflow.core.model_config import ModelConfig
 from moeflow.models.attention import attend
-from moeflow.models.config import ModelConfig
 from moeflow.models.kv_cache import LayerCache
 from moeflow.models.layers import AttentionCore, RMSNorm, apply_rope, yarn_mscale
 

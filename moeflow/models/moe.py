@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.models.config import ModelConfig, MoEConfig, grouped_mm_alignment_error
+from moeflow.core.model_config import ModelConfig, MoEConfig, grouped_mm_alignment_error
 from moeflow.models.layers import autocast_input, autocast_on
 
 V = TypeVar("V")

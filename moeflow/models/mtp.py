@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.models.config import ModelConfig
+from moeflow.core.model_config import ModelConfig
 from moeflow.models.layers import RMSNorm
 
 

@@ -15,8 +15,8 @@ import math
 import torch
 from torch import nn
 
+from moeflow.core.model_config import ModelConfig
 from moeflow.models.attention import cached_causal_mask, document_causal_mask
-from moeflow.models.config import ModelConfig
 from moeflow.models.kv_cache import KVCache, LayerCache
 from moeflow.models.layers import AttentionCore, RMSNorm, apply_rope, rope_tables
 from moeflow.models.mla import MultiHeadLatentAttention

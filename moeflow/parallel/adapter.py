@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from moeflow.layout import ParallelDims
-from moeflow.layout.dims import MLA_TP_UNSUPPORTED
-from moeflow.models.config import ModelConfig
+from moeflow.core.model_config import ModelConfig
+from moeflow.core.parallel_dims import MLA_TP_UNSUPPORTED, ParallelDims
 from moeflow.models.moe import MoE
 
 
@@ -162,7 +161,7 @@ class HuggingFaceAdapter(ModelAdapter):
 
     def check_tp_widths(self, tp: int) -> None:
         """tp must divide what the plan shards: heads, kv heads and the dense MLP width."""
-        from moeflow.errors import divisors
+        from moeflow.core.errors import divisors
 
         cfg = self.hf_config
         heads = cfg.num_attention_heads

@@ -41,10 +41,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moeflow.core.choices import FP8_RECIPES
 from moeflow.models.moe import GroupedExperts
 from moeflow.parallel.torch_compat import torch_minor
 
-RECIPES = ("none", "tensorwise", "rowwise", "mxfp8")
 GROUP_ALIGNMENT = {"tensorwise": 16, "rowwise": 16, "mxfp8": 32}
 
 
@@ -73,8 +73,8 @@ def refusal(recipe: str, device_type: str, has_experts: bool) -> str | None:
     """Why `recipe` cannot run here (None: it can), checked before anything is converted."""
     if recipe == "none":
         return None
-    if recipe not in RECIPES:
-        return f"training.fp8 = {recipe!r} is not one of {list(RECIPES)}"
+    if recipe not in FP8_RECIPES:
+        return f"training.fp8 = {recipe!r} is not one of {list(FP8_RECIPES)}"
     if importlib.util.find_spec("torchao") is None:
         return f"training.fp8 = {recipe!r} needs torchao: pip install 'torchao>=0.18,<0.19'"
     if recipe == "mxfp8" and torch_minor() < (2, 13):

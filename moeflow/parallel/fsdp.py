@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from moeflow.layout import ParallelDims
+from moeflow.core.parallel_dims import ParallelDims
 from moeflow.models.moe import GroupedExperts, MoE, Router
 from moeflow.parallel.expert import DeferredSyncExperts, DeferredSyncSharedExperts, ExpertParallelDispatcher
 from moeflow.parallel.mesh import folded_moe_mesh, submesh

@@ -12,7 +12,7 @@ import warnings
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from moeflow.layout import ParallelDims
+from moeflow.core.parallel_dims import ParallelDims
 
 MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
 

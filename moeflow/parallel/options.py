@@ -22,7 +22,7 @@ class ParallelOptions:
     ep_chunks: int = 1  # chunks each micro-batch's tokens are moved in
     ep_num_worst_tokens: int = 0  # receive buffers sized for the worst case (no host sync); -1: every token
     # What the blocks run as:
-    activation_checkpointing: str = "none"  # 'none', 'full' or 'every-N' (moeflow.parallel.checkpointing)
+    activation_checkpointing: str = "none"  # 'none', 'full' or 'every-N' (moeflow.parallel.recompute)
     compile: bool = False  # torch.compile each block
     fp8: str = "none"  # 'none', 'tensorwise', 'rowwise' or 'mxfp8' (moeflow.parallel.fp8)
     autocast_dtype: torch.dtype | None = None  # torch.bfloat16: bf16 autocast, fp32 weights and optimizer state

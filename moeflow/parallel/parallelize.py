@@ -20,21 +20,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeflow.layout import ParallelDims
-from moeflow.layout.schedules import SCHEDULES
+from moeflow.core.parallel_dims import ParallelDims
+from moeflow.core.schedules import SCHEDULES
 from moeflow.models.moe import GroupedExperts, MoE
 from moeflow.parallel.adapter import ModelAdapter, adapter_for
-from moeflow.parallel.checkpointing import apply_activation_checkpointing
 from moeflow.parallel.fp8 import apply_fp8
 from moeflow.parallel.loss import tp_loss
 from moeflow.parallel.options import ParallelOptions
+from moeflow.parallel.recompute import apply_activation_checkpointing
 from moeflow.parallel.runner import LocalRunner, MTPObjective, local_token_scale
 from moeflow.parallel.state import ParallelState
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions | None = None) -> ParallelState:
     """Parallelize `model` (a moeflow Transformer, or a Hugging Face decoder) in place over the default process
-    group by `dims` (a validated moeflow.layout.ParallelDims for this world size) and `options`; returns its
+    group by `dims` (a validated moeflow.core.parallel_dims.ParallelDims for this world size) and `options`; returns its
     ParallelState, whose runner steps the model. With cp > 1 feed each rank its part of every sequence, inputs,
     targets and positions alike: `state.local_sequence(x_BS)`."""
     world = dist.get_world_size() if dist.is_initialized() else 1

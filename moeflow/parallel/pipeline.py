@@ -1,6 +1,6 @@
 """Pipeline parallelism: split a moeflow Transformer into stages, run them with torch.distributed.pipelining.
 
-The split is data (moeflow.layout.schedules: `split_layers`, `pipeline_layout`, and the table of schedules
+The split is data (moeflow.core.schedules: `split_layers`, `pipeline_layout`, and the table of schedules
 with where their stages sit). Here each rank keeps its stages as modules: stage 0 also keeps `tok_embeddings`,
 the last stage `norm` and `output`; every stage is a `Transformer` whose other parts are None and whose
 `layers` ModuleDict keeps only its own blocks, still keyed by the global layer index. Parameter names (FQNs)
@@ -47,7 +47,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from moeflow.layout.schedules import (
+from moeflow.core.schedules import (
     SCHEDULES,
     StageSpec,
     check_schedule_microbatches,
@@ -68,7 +68,7 @@ from moeflow.parallel.runner import (
 )
 from moeflow.parallel.torch_compat import pipeline_refusal
 
-# The torch class that runs each schedule of moeflow.layout.schedules.SCHEDULES (all seven of torch 2.13's
+# The torch class that runs each schedule of moeflow.core.schedules.SCHEDULES (all seven of torch 2.13's
 # schedules match the single-device model on CPU/gloo, tests/test_pp.py, with two workarounds below: V-schedule
 # evaluation, and FSDP parameters kept unsharded under the zero-bubble schedules).
 SCHEDULE_CLASSES: dict[str, type] = {

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moeflow.layout import ParallelDims
+from moeflow.core.parallel_dims import ParallelDims
 
 
 @dataclass

@@ -64,7 +64,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from moeflow.layout.dims import MLA_TP_UNSUPPORTED
+from moeflow.core.parallel_dims import MLA_TP_UNSUPPORTED
 
 HOW_TO_PASS_A_PLAN = (
     "pass a plan: parallelize(model, dims, ParallelOptions(tp_plan={'<fqn pattern>': ColwiseParallel(), ...})) "
@@ -470,12 +470,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, ParallelSty
                           loss_parallel: bool = True, fold_experts: bool = False) -> nn.Module:
     """Shard `model` in place over the 1-D `tp_mesh` (e.g. mesh["tp"]) by `plan` (default `tp_plan(model)`).
 
-    A no-op when tp_mesh is None or has one rank. Checks that the plan names every Linear / Embedding and that
-    every pattern matches something; copies what the tp ranks hold whole (norm weights, MoE parameters,
-    buffers) from tp rank 0; adds a check that the sequence length divides by tp. The widths must divide by tp
-    (moeflow.layout.ParallelDims.check_model, or check_hf_tp for Hugging Face models). Apply it before FSDP
-    (fully_shard on the data-parallel mesh) and after
-    wrapping MoE layers for expert parallelism (the plan hooks the MoE module itself).
+    A no-op when tp_mesh is None or has one rank. Checks that the plan names every Linear / Embedding and that every
+    pattern matches something; copies what the tp ranks hold whole (norm weights, MoE parameters, buffers) from tp
+    rank 0; adds a check that the sequence length divides by tp. The widths must divide by tp
+    (ParallelDims.check_model, or HuggingFaceAdapter.check_tp_widths for Hugging Face models). Apply it before FSDP
+    (fully_shard on the data-parallel mesh) and after wrapping MoE layers for expert parallelism (the plan hooks the
+    MoE module itself).
     """
     if tp_mesh is None or tp_mesh.size() == 1:
         return model

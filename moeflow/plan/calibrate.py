@@ -13,7 +13,7 @@ import socket
 import tempfile
 import time
 
-from moeflow.hardware import GPU
+from moeflow.core.hardware import GPU
 
 WIDTH = 512  # K = N of the measured matmuls; M (tokens) varies
 

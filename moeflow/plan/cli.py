@@ -10,9 +10,9 @@ import json
 import os
 import sys
 
-from moeflow.hardware import GPUS, get_gpu
-from moeflow.models.config import ModelConfig, MoEConfig
-from moeflow.models.presets import get_preset
+from moeflow.core.hardware import GPUS, get_gpu
+from moeflow.core.model_config import ModelConfig, MoEConfig
+from moeflow.core.presets import get_preset
 from moeflow.plan.advice import advise
 from moeflow.plan.layout import Job
 from moeflow.plan.search import Constraints, search, shortfall_message
@@ -38,7 +38,7 @@ def load_model(spec: str) -> ModelConfig:
     if spec.endswith(".json"):
         import json
 
-        from moeflow.models.hf_arch import config_from_hf  # the loader's exact mapping (no torch)
+        from moeflow.core.hf_arch import config_from_hf  # the loader's exact mapping (no torch)
 
         if not os.path.exists(spec):
             raise ValueError(f"--model {spec!r}: no such file; pass an existing config.json or a preset name")
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-gbps", type=float, help="override the inter-node GB/s per GPU per direction")
     p.add_argument("--efficiency", type=float,
                    help="override the fraction of peak FLOP/s the largest matmuls reach (0-1]; default: the GPU's "
-                   "measured one (moeflow.hardware)")
+                   "measured one (moeflow.core.hardware)")
     for dim in ("tp", "pp", "ep", "zero"):
         p.add_argument(f"--{dim}", type=int, help=f"pin {dim} to this value instead of searching it")
     p.add_argument("--pp-schedule", help="pin the pipeline schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
@@ -177,7 +177,7 @@ def write_png(out: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeflow.figures import save_figure
+    from moeflow.core.figures import save_figure
 
     rows = out["layouts"]
     labels = [f"tp{r['tp']} pp{r['pp']} ep{r['ep']} z{r['zero']}\nmb{r['micro_batch']} {r['activation_checkpointing']}"
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(out, indent=1) if args.json else format_table(out))
     if args.png:
-        from moeflow.figures import write_png_option
+        from moeflow.core.figures import write_png_option
 
         if not write_png_option(write_png, out, args.png, "moeflow plan"):
             return 2

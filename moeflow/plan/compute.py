@@ -4,7 +4,7 @@ A layer's work is split three ways, each with its own rate (all per GPU, per mic
 - matmuls (the projections, the FFN or the experts, the router, the output head): the roofline (Williams,
   Waterman & Patterson 2009, "Roofline: an insightful visual performance model"): a matmul of M rows against a
   K x N weight takes max(FLOPs / (peak * matmul_efficiency), bytes / HBM bandwidth), FLOPs = 2MKN, bytes =
-  (MK + KN + MN) elements; matmul_efficiency is the largest matmuls' measured fraction of peak (moeflow.hardware).
+  (MK + KN + MN) elements; matmul_efficiency is the largest matmuls' measured fraction of peak (moeflow.core.hardware).
   With tensor + sequence parallelism the rows are the whole micro-batch (the sequence is gathered before
   the matmul) and N (column-parallel) or K (row-parallel) is split over tp (Shoeybi et al. 2019, sec. 3;
   Korthikanti et al. 2022 sec. 4.2.2). A routed expert's rows are the tokens it receives: under balanced
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeflow.models.config import ModelConfig
+from moeflow.core.model_config import ModelConfig
 
 KERNEL_EFFICIENCY = 0.69
 """Fraction of the rates below (large-matmul, flash attention, HBM bandwidth) that a training step's kernels

@@ -6,9 +6,9 @@ import math
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
-from moeflow.hardware import GPU
-from moeflow.layout.schedules import SCHEDULES
-from moeflow.models.config import ModelConfig
+from moeflow.core.hardware import GPU
+from moeflow.core.model_config import ModelConfig
+from moeflow.core.schedules import SCHEDULES
 from moeflow.plan.compute import KERNEL_EFFICIENCY
 
 AC_MODES = ("none", "selective", "full")
@@ -138,7 +138,7 @@ class Layout:
     zero: int
     micro_batch: int
     activation_checkpointing: str
-    pp_schedule: str = "1F1B"  # one of moeflow.layout.schedules.SCHEDULES; only matters with pp > 1
+    pp_schedule: str = "1F1B"  # one of moeflow.core.schedules.SCHEDULES; only matters with pp > 1
     virtual_stages: int = 0  # pipeline stages per rank; 0 = the schedule's default (what the trainer runs)
     cp: int = 1  # context parallel: ranks one sequence is split over (they see the same data)
 

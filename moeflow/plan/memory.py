@@ -28,9 +28,9 @@ sequence's keys and values: (c - 1) / c of them beyond the rank's own share (`cp
 
 from __future__ import annotations
 
-from moeflow.hardware import RESERVED_GB
-from moeflow.layout.schedules import pipeline_layout
-from moeflow.models.config import ModelConfig
+from moeflow.core.hardware import RESERVED_GB
+from moeflow.core.model_config import ModelConfig
+from moeflow.core.schedules import pipeline_layout
 from moeflow.plan.layout import Job, Layout
 from moeflow.plan.schedule import in_flight as schedule_in_flight
 
@@ -39,7 +39,7 @@ GB = 1e9
 
 def rank_stages(job: Job, lay: Layout) -> list[tuple[tuple[range, bool, bool], ...]]:
     """Per pipeline rank, the stages it holds as (layers, holds the embedding, holds the head): the trainer's split
-    and the schedule's placement (moeflow.layout.schedules.pipeline_layout). A balanced split of the layers over
+    and the schedule's placement (moeflow.core.schedules.pipeline_layout). A balanced split of the layers over
     pp ranks is not what runs: the trainer cuts pp x stages-per-rank stages, the first ones taking the remainder
     (61 layers on pp=16 under a V schedule: rank 0 holds layers 0-1 and 60, not 0-3), which moves dense and MoE
     layers between ranks and changes the fullest rank."""

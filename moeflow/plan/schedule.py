@@ -1,4 +1,4 @@
-"""The pipeline schedules the trainer runs (moeflow.layout.schedules.SCHEDULES), costed: bubble and in-flight
+"""The pipeline schedules the trainer runs (moeflow.core.schedules.SCHEDULES), costed: bubble and in-flight
 micro-batches.
 
 F, B and W are one pipeline rank's seconds per micro-batch (all its stages): forward, backward for the inputs
@@ -26,7 +26,7 @@ README: PP + 1 chunks of 1/(2p) of the model).
 
 from __future__ import annotations
 
-from moeflow.layout.schedules import SCHEDULES, check_schedule_microbatches, default_stages_per_rank
+from moeflow.core.schedules import SCHEDULES, check_schedule_microbatches, default_stages_per_rank
 from moeflow.plan.compute import FBW
 
 SEARCHED = ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -73,7 +73,7 @@ def in_flight(schedule: str, p: int, v: int, stage: int, m: int) -> float:
 
 
 def schedule_refusal(schedule: str, m: int, p: int, v: int) -> str | None:
-    """Why torch's schedule refuses m micro-batches on p ranks (moeflow.layout.schedules), or None."""
+    """Why torch's schedule refuses m micro-batches on p ranks (moeflow.core.schedules), or None."""
     try:
         check_schedule_microbatches(m, schedule, p, v)
     except ValueError as e:

@@ -1,21 +1,22 @@
 """Enumerate layouts, score each with the memory and time model, rank them.
 
 A layout: world = dp_replicate * dp_shard * cp * tp * pp (cp only when pinned, --cp), with tp inside a node (a
-search choice: TP across nodes is never fast); every layout listed also passes moeflow.layout.ParallelDims, the
-rules the trainer checks (so the planner never recommends what `moeflow train` refuses); zero 1/2/3 acts on
-dp_shard (with dp_shard = 1 only zero 1 is listed, it is plain replication); micro_batch and activation
-checkpointing fill the rest; with pp > 1 the pipeline schedule too (moeflow.plan.schedule.SEARCHED, with the
-stages per rank the trainer uses), keeping per layout the fastest schedule that fits (scoring memory for the
-others only when the faster ones do not fit: the search stays under a second). Under flash attention "selective"
-recomputation is what "none" already does (moeflow.plan.compute), so only none and full are listed, the
-trainer's choices. Feasible = fits in memory and the global batch splits into whole micro-batches."""
+search choice: TP across nodes is never fast); every layout listed also passes ParallelDims
+(moeflow/core/parallel_dims.py), the rules the trainer checks (so the planner never recommends what `moeflow train`
+refuses); zero 1/2/3 acts on dp_shard (with dp_shard = 1 only zero 1 is listed, it is plain replication);
+micro_batch and activation checkpointing fill the rest; with pp > 1 the pipeline schedule too
+(moeflow.plan.schedule.SEARCHED, with the stages per rank the trainer uses), keeping per layout the fastest schedule
+that fits (scoring memory for the others only when the faster ones do not fit: the search stays under a second).
+Under flash attention "selective" recomputation is what "none" already does (moeflow.plan.compute), so only none and
+full are listed, the trainer's choices.
+Feasible = fits in memory and the global batch splits into whole micro-batches."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from moeflow.layout import ParallelDims
-from moeflow.layout.schedules import SCHEDULES, resolve_schedule
+from moeflow.core.parallel_dims import ParallelDims
+from moeflow.core.schedules import SCHEDULES, resolve_schedule
 from moeflow.plan.layout import AC_MODES, Job, Layout
 from moeflow.plan.memory import memory_per_gpu
 from moeflow.plan.schedule import SEARCHED, ZERO_BUBBLE, schedule_refusal
@@ -88,7 +89,7 @@ class Constraints:
 
 def trainer_refusal(job: Job, tp: int, pp: int, ep: int, dp_replicate: int, zero: int,
                     pp_schedule: str = "1F1B", cp: int = 1) -> str | None:
-    """Why `moeflow train` would refuse these sizes for this model (moeflow.layout.ParallelDims), or None."""
+    """Why `moeflow train` would refuse these sizes for this model (ParallelDims), or None."""
     try:
         dims = ParallelDims(job.world, dp_replicate=dp_replicate, tp=tp, pp=pp, ep=ep, zero=zero,
                             pp_schedule=pp_schedule, cp=cp)

@@ -2,7 +2,7 @@
 
 - Compute: moeflow.plan.compute (matmuls on the roofline at the measured large-matmul efficiency, flash
   attention, memory-bound elementwise work), per layer and micro-batch, summed over the layers each pipeline
-  rank holds under the schedule's placement (moeflow.layout.schedules.pipeline_layout, the trainer's split).
+  rank holds under the schedule's placement (moeflow.core.schedules.pipeline_layout, the trainer's split).
 - Communication: alpha-beta per link class (Hockney 1994). Ring all-reduce moves 2(n-1)/n of the buffer per
   GPU, all-gather and reduce-scatter (n-1)/n each (Patarasuk & Yuan 2009; Thakur et al. 2005).
 - TP with sequence parallelism (Korthikanti et al. 2022 sec. 4.2.2): a dense layer all-gathers and

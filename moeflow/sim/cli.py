@@ -13,8 +13,8 @@ import json
 import math
 import sys
 
-from moeflow.hardware import GPUS, get_gpu
-from moeflow.models.presets import PRESETS, get_preset
+from moeflow.core.hardware import GPUS, get_gpu
+from moeflow.core.presets import PRESETS, get_preset
 from moeflow.sim.ep import STRATEGY_DOC, Links, check_topology, ep_layer_time, row_bytes, sample_copies
 
 DEFAULT_STRATEGIES = ("pair", "rank", "node")
@@ -154,7 +154,7 @@ def write_png(out: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeflow.figures import save_figure
+    from moeflow.core.figures import save_figure
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for strat in dict.fromkeys(r["strategy"] for r in out["rows"]):
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(out, indent=1) if args.json else format_table(out))
     if args.png:
-        from moeflow.figures import write_png_option
+        from moeflow.core.figures import write_png_option
 
         if not write_png_option(write_png, out, args.png, "moeflow simulate"):
             return 2

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 import torch
 
 from moeflow.config import JobConfig
-from moeflow.layout import BatchSplit, ParallelDims
+from moeflow.core.parallel_dims import BatchSplit, ParallelDims
+from moeflow.data.stream import BatchSampler
 from moeflow.models.transformer import Transformer
 from moeflow.parallel.loss import tp_loss
 from moeflow.parallel.options import ParallelOptions
 from moeflow.parallel.parallelize import parallelize
 from moeflow.parallel.state import ParallelState
-from moeflow.train.data import BatchSampler
 from moeflow.train.data_setup import build_data
 from moeflow.train.distributed import DistInfo
 from moeflow.train.optim import build_optimizer, build_scheduler

@@ -3,7 +3,7 @@
 Atomic: every rank writes into step-N.tmp/; when all are done, rank 0 writes a manifest (COMPLETE.json:
 each file's size) and renames the folder. A folder without a manifest, or whose files do not match
 it, is refused on resume (and the previous complete one is used), so a crash mid-save loses nothing.
-Keys are layout-independent (moeflow.train.state), so a checkpoint reloads under another layout.
+Keys are layout-independent (moeflow.train.state_dict), so a checkpoint reloads under another layout.
 
 With checkpoint.async_save the tensors are copied to host memory during the step and written by a background
 thread (torch.distributed.checkpoint.async_save, over a process group of its own so its collectives never
@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moeflow.train import state
+from moeflow.train import state_dict
 from moeflow.train.distributed import barrier, broadcast_object
 from moeflow.train.faults import CheckpointWriteError, inject_before_commit
 
@@ -62,17 +62,17 @@ def verify(path: Path) -> str | None:
     return None
 
 
-FORMAT = 2  # flat, layout-independent keys (moeflow.train.state); 1 was nested with per-EP-rank expert keys
+FORMAT = 2  # flat, layout-independent keys (moeflow.train.state_dict); 1 was nested with per-EP-rank expert keys
 
 
 def load_state(path: Path, parts: list, optimizer, fix: str, model_only: bool = False) -> None:
-    """Read a checkpoint's flat state (moeflow.train.state) into the model parts and the optimizer, each rank
+    """Read a checkpoint's flat state (moeflow.train.state_dict) into the model parts and the optimizer, each rank
     only what it owns under the current layout. A tensor the model needs but the checkpoint lacks is an error
     ending in `fix`."""
     saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     if model_only:
         saved = {k for k in saved if k.startswith("model.")}
-    flat = state.placeholders(parts, optimizer, saved)
+    flat = state_dict.placeholders(parts, optimizer, saved)
     missing = sorted(set(flat) - saved)
     # Ranks own different keys (pipeline stages, EP ranks): decide together, so none waits in dcp.load for a
     # peer that has already raised.
@@ -88,7 +88,7 @@ def load_state(path: Path, parts: list, optimizer, fix: str, model_only: bool = 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(flat, checkpoint_id=str(path))
-    state.apply(parts, optimizer, flat)
+    state_dict.apply(parts, optimizer, flat)
 
 
 def check_writable(run_dir: str | Path, rank: int) -> None:
@@ -198,7 +198,7 @@ class CheckpointManager:
                 error = e
         self._agree(step, tmp, error)
         try:  # this rank's own files first: a failure here is agreed on before any rank enters DCP's collectives
-            flat = state.gather([model], optimizer)
+            flat = state_dict.gather([model], optimizer)
             torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")  # differs per rank: a small file each
             if self.rank == 0:
                 (tmp / "extra.json").write_text(json.dumps({**extra, "format": FORMAT}, indent=1))

@@ -2,11 +2,11 @@
 
 Two paths:
   token stream  'stdlib', text files and folders, .bin token files, with data.format = 'text' and no packing:
-                one stream of token ids cut into windows (moeflow.train.data), as before datasets existed here;
+                one stream of token ids cut into windows (moeflow.data.stream), as before datasets existed here;
   token cache   record files, hf: names, data.format = 'chat' / 'instruction', or data.packing = true: records
-                read through Hugging Face `datasets` and tokenized once into a cache (moeflow.train.token_cache);
+                read through Hugging Face `datasets` and tokenized once into a cache (moeflow.data.token_cache);
                 'text' without packing is then a token stream again (the cache's tokens), anything else is rows
-                of whole documents (moeflow.train.packing).
+                of whole documents (moeflow.data.packing).
 The validation split of the cache path is the last data.val_fraction of the documents (a tail, like the stream's).
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from moeflow.config import JobConfig
-from moeflow.train.data import BatchSampler, TokenWindows, load_tokens, split_tokens, val_batches
-from moeflow.train.records import is_record_source, resolve
-from moeflow.train.token_cache import ChatEncoder, TextEncoder, is_cache_folder, open_cache, write_cache
-from moeflow.train.tokenizer import load_tokenizer
+from moeflow.data.records import is_record_source, resolve
+from moeflow.data.stream import BatchSampler, TokenWindows, load_tokens, split_tokens, val_batches
+from moeflow.data.token_cache import ChatEncoder, TextEncoder, is_cache_folder, open_cache, write_cache
+from moeflow.data.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -73,7 +73,7 @@ def make_encoder(cfg: JobConfig):
         tokenizer = load_tokenizer(_tokenizer_spec(cfg), None if d.source == "stdlib" else d.source)
         encoder = TextEncoder(tokenizer)
     else:
-        from moeflow.train.chat import load_chat_tokenizer
+        from moeflow.data.chat import load_chat_tokenizer
 
         encoder = ChatEncoder(load_chat_tokenizer(_chat_folder(cfg), d.chat_template), d.format)
     _check_vocab(encoder.vocab_size, cfg)
@@ -137,7 +137,7 @@ def build_data(cfg: JobConfig, is_main: bool = True) -> Data:
         train, val = split_tokens(cache.tokens, d.val_fraction, d.seq_len)
         return Data(TokenWindows(train, d.seq_len, key=cache.key),
                     val_batches(val, d.seq_len, t.global_batch, cfg.eval.batches), summary)
-    from moeflow.train.packing import DocumentRows
+    from moeflow.data.packing import DocumentRows
 
     n = cache.num_documents
     n_val = max(1, int(n * d.val_fraction)) if n >= 2 else 0

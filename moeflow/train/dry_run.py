@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moeflow.config import JobConfig
-from moeflow.layout.schedules import SCHEDULES
+from moeflow.core.schedules import SCHEDULES
 
 BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 master weights and grads; AdamW exp_avg + exp_avg_sq
 

@@ -20,10 +20,10 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from moeflow.models.config import ModelConfig
+from moeflow.core.hf_arch import arch_of, tensor_rules
+from moeflow.core.model_config import ModelConfig
 from moeflow.models.hf import _check_names, copy_into, hf_shape, read_header, read_hf_config, weight_files
-from moeflow.models.hf_arch import arch_of, tensor_rules
-from moeflow.train.state import expert_slices
+from moeflow.train.state_dict import expert_slices
 
 
 def _global_shape(t: torch.Tensor) -> torch.Size:

@@ -15,7 +15,7 @@ def peak_flops_per_device(device: torch.device, dtype: str) -> float | None:
     device is not in the table, e.g. any CPU. Never a guess."""
     if device.type != "cuda":
         return None
-    from moeflow.hardware import GPUS
+    from moeflow.core.hardware import GPUS
 
     name = torch.cuda.get_device_name(device).upper()
     memory_gb = torch.cuda.get_device_properties(device).total_memory / 2**30

@@ -68,7 +68,7 @@ def write_loss_curve(metrics_path: Path, png_path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeflow.figures import save_figure
+    from moeflow.core.figures import save_figure
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     ax.plot(*zip(*train), label="train loss", lw=1.2)

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from moeflow.config import JobConfig
+from moeflow.data.stream import IGNORE_INDEX
 from moeflow.parallel.grads import clip_grad_norm_
 from moeflow.parallel.runner import router_layers
 from moeflow.train.build import Setup
-from moeflow.train.data import IGNORE_INDEX
 from moeflow.train.distributed import DistInfo, SumPacker, Sums, all_reduce_sum
 
 

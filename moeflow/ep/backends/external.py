@@ -24,7 +24,7 @@ runtime with another API; it is not what this adapter drives.) The adapter:
 
 With `async_finish=True` the outputs belong to the library's event (DeepEP's semantics): wait on it before using
 them. Backward calls are synchronous. moeflow's byte counters are not filled here: use
-moeflow.ep.layout.traffic_bytes on the routing for the same numbers.
+moeflow.ep.counts.traffic_bytes on the routing for the same numbers.
 """
 
 from __future__ import annotations

@@ -10,12 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-SCORE_FUNCS = ("softmax", "sigmoid")
-ATTENTIONS = ("gqa", "mla")
-QK_NORMS = ("none", "per_head", "full")
-AUX_LOSS_TYPES = ("micro_batch", "sequence", "global_batch")
-DROP_POLICIES = ("position", "probs")
-ROPE_SCALINGS = ("none", "llama3", "yarn")
+from moeflow.core.choices import SETTINGS
 
 
 @dataclass
@@ -193,10 +188,10 @@ class ModelConfig:
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> ModelConfig:
         """Raise ValueError naming the setting, its value and a fix; return self."""
-        from moeflow.errors import check_choice, divisors
+        from moeflow.core.errors import check_choice, divisors
 
-        check_choice("model.attention", self.attention, ATTENTIONS)
-        check_choice("model.qk_norm", self.qk_norm, QK_NORMS)
+        check_choice("model.attention", self.attention, SETTINGS["model.attention"])
+        check_choice("model.qk_norm", self.qk_norm, SETTINGS["model.qk_norm"])
         self._validate_rope_scaling()
         for key in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
             if getattr(self, key) <= 0:
@@ -216,11 +211,8 @@ class ModelConfig:
                 raise ValueError(f"head width ({self.hd}) must be even for RoPE; change model.head_dim")
         if self.is_moe:
             m = self.moe
-            check_choice("model.moe.score_func", m.score_func, SCORE_FUNCS)
-            check_choice("model.moe.load_balance", m.load_balance, ("aux_free", "none"))
-            check_choice("model.moe.expert_impl", m.expert_impl, ("auto", "grouped_mm", "bmm", "loop"))
-            check_choice("model.moe.aux_loss_type", m.aux_loss_type, AUX_LOSS_TYPES)
-            check_choice("model.moe.drop_policy", m.drop_policy, DROP_POLICIES)
+            for name in ("score_func", "load_balance", "expert_impl", "aux_loss_type", "drop_policy"):
+                check_choice(f"model.moe.{name}", getattr(m, name), SETTINGS[f"model.moe.{name}"])
             if m.pad_to_capacity and m.capacity_factor is None:
                 raise ValueError("model.moe.pad_to_capacity = true needs a capacity to pad to; set "
                                  "model.moe.capacity_factor (e.g. 1.25) or turn pad_to_capacity off")
@@ -259,10 +251,10 @@ class ModelConfig:
         return self
 
     def _validate_rope_scaling(self) -> None:
-        from moeflow.errors import check_choice
+        from moeflow.core.errors import check_choice
 
         r = self.rope_scaling
-        check_choice("model.rope_scaling.type", r.type, ROPE_SCALINGS)
+        check_choice("model.rope_scaling.type", r.type, SETTINGS["model.rope_scaling.type"])
         if r.type == "none":
             return
         if r.factor <= 0:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moeflow.train.chat import RecordError, check_messages, encode_chat, instruction_to_messages
-from moeflow.train.records import RecordSource, load
+from moeflow.data.chat import RecordError, check_messages, encode_chat, instruction_to_messages
+from moeflow.data.records import RecordSource, load
 
 CACHE_VERSION = 1
 META = "meta.json"
@@ -46,7 +46,7 @@ class TextEncoder:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.name = getattr(tokenizer, "name", type(tokenizer).__name__)
-        inner = getattr(tokenizer, "_tok", None)  # moeflow.train.tokenizer.HFTokenizer wraps a tokenizers.Tokenizer
+        inner = getattr(tokenizer, "_tok", None)  # moeflow.data.tokenizer.HFTokenizer wraps a tokenizers.Tokenizer
         serialised = inner.to_str() if inner is not None else self.name
         self.fingerprint = hashlib.sha256(serialised.encode()).hexdigest()[:16]
         self.vocab_size = tokenizer.vocab_size
@@ -124,7 +124,7 @@ class TokenCache:
         return len(self.offsets) - 1
 
     def locate(self, doc: int) -> str:
-        from moeflow.train.records import locate
+        from moeflow.data.records import locate
 
         return locate(self.meta["source"], doc)
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moeflow.errors import divisors
-from moeflow.layout.schedules import default_stages_per_rank, resolve_schedule, validate_microbatches
-from moeflow.models.config import ModelConfig
+from moeflow.core.errors import divisors
+from moeflow.core.model_config import ModelConfig
+from moeflow.core.schedules import default_stages_per_rank, resolve_schedule, validate_microbatches
 
 SIZE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "cp")
 MLA_TP_UNSUPPORTED = ("multi-head latent attention (model.attention = 'mla', DeepSeek-V2/V3) is not supported with "

@@ -3,7 +3,7 @@
 The stream is a 1-D numpy array of token ids. A *window* is `seq_len + 1` consecutive tokens starting at a
 multiple of `seq_len` (neighbouring windows share one token: the last target of one is the first input of the
 next). Inputs are a window's first `seq_len` tokens, targets its last `seq_len`. Whole documents (chat, packing)
-are the other kind of sequence the sampler draws (moeflow.train.packing); both give the sampler a count of
+are the other kind of sequence the sampler draws (moeflow.data.packing); both give the sampler a count of
 sequences, a way to gather some, and how many targets a set of them trains.
 
 The sampler's position is a single count of sequences consumed by all ranks together, and the order of sequences
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moeflow.train.tokenizer import ByteTokenizer
+from moeflow.data.tokenizer import ByteTokenizer
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 IGNORE_INDEX = -100  # a target that is not trained (prompt, padding, across documents): cross-entropy skips it
@@ -321,7 +321,7 @@ def num_windows(num_tokens: int, seq_len: int) -> int:
 class BatchSampler:
     """Shuffled training sequences, epoch after epoch, each step's `global_batch` split across DP ranks.
 
-    `data` is a token stream (its windows are the sequences) or a sequence source (moeflow.train.packing).
+    `data` is a token stream (its windows are the sequences) or a sequence source (moeflow.data.packing).
     Epoch e visits every sequence once in the order `default_rng(seed + e).permutation(num_windows)`; steps
     take `global_batch` sequences at a time from the concatenation of the epochs (a step may straddle two).
     Rank r takes the contiguous slice [r * B / dp_size, (r + 1) * B / dp_size) of its step's sequences.

@@ -72,7 +72,7 @@ def resolve(source: str) -> RecordSource:
             raise ValueError(f"data.source = {source!r}: give a dataset name after 'hf:', e.g. hf:org/name:train")
         return RecordSource(source, "hub", hub_name=name, split=split or "train")
     if source == "stdlib":
-        from moeflow.train.data import stdlib_files
+        from moeflow.data.stream import stdlib_files
 
         return RecordSource(source, "text", files=[str(p) for p in stdlib_files()])
     path = Path(source)
@@ -90,7 +90,7 @@ def resolve(source: str) -> RecordSource:
             raise ValueError(f"data.source = {source!r}: the folder mixes {sorted(builders)} files; keep one kind "
                              f"per folder (or point data.source at one file)")
         return RecordSource(source, builders.pop(), files=[str(f) for f in files])
-    from moeflow.train.data import TEXT_SUFFIXES
+    from moeflow.data.stream import TEXT_SUFFIXES
 
     texts = sorted((p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()
                     and not any(part.startswith(".") for part in p.relative_to(path).parts[:-1])),
@@ -119,7 +119,7 @@ def _load(src: RecordSource, work_dir: Path, max_bytes: int):
     import datasets
 
     if src.builder == "text":
-        from moeflow.train.data import _read_text, _stdlib_documents
+        from moeflow.data.stream import _read_text, _stdlib_documents
 
         docs = _stdlib_documents(max_bytes) if src.spec == "stdlib" else [_read_text(Path(f)) for f in src.files]
         src.counts = [len(docs)]

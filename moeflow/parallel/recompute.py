@@ -11,14 +11,16 @@ from __future__ import annotations
 import torch.utils.checkpoint
 from torch import nn
 
+from moeflow.core.choices import recompute_every
+
 _RECOMPUTING: dict[type, type] = {}
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleDict | dict, mode: str) -> int:
-    """mode 'none' | 'full' | 'every-N'. Returns how many blocks recompute."""
-    if mode == "none":
+    """mode: one of moeflow.core.choices.ACTIVATION_CHECKPOINTING. Returns how many blocks recompute."""
+    every = recompute_every(mode)
+    if not every:
         return 0
-    every = 1 if mode == "full" else int(mode.split("-", 1)[1])
     count = 0
     for position, (key, block) in enumerate(blocks.items()):
         # by global layer index (blocks are keyed by it), so a pipeline stage recomputes the same layers

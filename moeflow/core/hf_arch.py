@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moeflow.models.config import ModelConfig, MoEConfig, RopeScaling
+from moeflow.core.model_config import ModelConfig, MoEConfig, RopeScaling
 
 
 @dataclass(frozen=True)

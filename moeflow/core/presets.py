@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import copy
 
-from moeflow.errors import closest
-from moeflow.models.config import ModelConfig, MoEConfig
+from moeflow.core.errors import closest
+from moeflow.core.model_config import ModelConfig, MoEConfig
 
 PRESETS: dict[str, ModelConfig] = {
     # ---- tiny, for CPU ---------------------------------------------------------------------

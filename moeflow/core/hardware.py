@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from moeflow.errors import closest
+from moeflow.core.errors import closest
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeflow.train.data import IGNORE_INDEX, Batch
-from moeflow.train.token_cache import TokenCache
+from moeflow.data.stream import IGNORE_INDEX, Batch
+from moeflow.data.token_cache import TokenCache
 
 OVERLONG = ("truncate", "drop", "error")
 
