@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || (command -v $(PY) >/dev/null && $(PY) -m venv $(VENV) || python3 -m venv $(VENV))
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first, pinned: this is the CPU build on disk here; a looser spec pulls a multi-GB CUDA build.
+	# torch first, pinned to the release moeflow is tested on; a looser spec can pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 	@touch $(STAMP)

@@ -10,9 +10,8 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   echo "no CUDA device: skipped"
   exit 0
 fi
-# A machine without network whose Python has torch but lacks a package (the lent H200's image has no torchao):
-# wheels fetched beforehand into .whl/ on a machine with pip (bench/README.md, "The GPU smoke test on a lent
-# machine") are unpacked into a temporary folder for this run only (a wheel is a zip of its installed files).
+# A machine without network whose Python has torch but lacks a package (torchao, say): wheels fetched beforehand
+# into .whl/ on a machine with pip (bench/README.md, "The GPU smoke test on a machine without network") are unpacked into a temporary folder for this run only (a wheel is a zip of its installed files).
 if compgen -G ".whl/*.whl" >/dev/null && ! "$PY" -c 'import torchao' 2>/dev/null; then
   SITE=$(mktemp -d)
   for wheel in .whl/*.whl; do "$PY" -m zipfile -e "$wheel" "$SITE"; done

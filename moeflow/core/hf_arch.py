@@ -6,7 +6,7 @@ transformers 5; where moeflow computes something differently (DeepSeek's interle
 renormalised top-1 weight, YaRN's softmax scale) the moeflow config has a field for it, so logits agree.
 
 A `Rule` ties one Hugging Face tensor to one moeflow tensor (or one expert's slice of it) and says how the
-layout changes between the two:
+tensor changes between the two (its `transform`):
   same        identical
   copy        a second copy of a moeflow tensor another rule fills: DeepSeek-V3's MTP layers store the shared
               embedding and output head again; loading checks the copy is equal, saving writes it
@@ -373,7 +373,7 @@ class Rule:
     hf: str  # Hugging Face tensor name
     mf: str  # moeflow state_dict key
     expert: int | None = None  # the slice [expert] of the moeflow tensor, for per-expert HF tensors
-    layout: str = "same"  # see the module docstring
+    transform: str = "same"  # how the tensor changes between the formats (the module docstring)
 
 
 def moe_block_rules(cfg: ModelConfig, arch: Arch, fused: bool, block: str) -> list[Rule]:
@@ -383,9 +383,9 @@ def moe_block_rules(cfg: ModelConfig, arch: Arch, fused: bool, block: str) -> li
     if arch.router_bias:
         rules.append(Rule(f"{p}gate.e_score_correction_bias", "router.expert_bias"))
     if fused:
-        rules += [Rule(f"{p}experts.gate_up_proj", "experts.w1", layout="gate_half"),
-                  Rule(f"{p}experts.gate_up_proj", "experts.w3", layout="up_half"),
-                  Rule(f"{p}experts.down_proj", "experts.w2", layout="down_fused")]
+        rules += [Rule(f"{p}experts.gate_up_proj", "experts.w1", transform="gate_half"),
+                  Rule(f"{p}experts.gate_up_proj", "experts.w3", transform="up_half"),
+                  Rule(f"{p}experts.down_proj", "experts.w2", transform="down_fused")]
     else:
         gate, up, down = arch.expert_linears
         for e in range(m.num_experts):
@@ -427,7 +427,7 @@ def layer_rules(cfg: ModelConfig, arch: Arch, layer: int, fused: bool, mf: str |
         return rules + [Rule(f"{hf}mlp.{h}.weight", f"{mf}feed_forward.{m}.weight") for h, m in _SWIGLU]
     # transformers 5 renames Mixtral's block_sparse_moe to mlp in memory, so fused names always say mlp.
     block = "mlp" if fused else arch.moe_block
-    return rules + [Rule(hf + r.hf, f"{mf}feed_forward.{r.mf}", r.expert, r.layout)
+    return rules + [Rule(hf + r.hf, f"{mf}feed_forward.{r.mf}", r.expert, r.transform)
                     for r in moe_block_rules(cfg, arch, fused, block)]
 
 
@@ -452,6 +452,6 @@ def mtp_rules(cfg: ModelConfig, arch: Arch, k: int, fused: bool) -> list[Rule]:
     own = [Rule(hf + "enorm.weight", mf + "enorm.weight"), Rule(hf + "hnorm.weight", mf + "hnorm.weight"),
            Rule(hf + "eh_proj.weight", mf + "eh_proj.weight"),
            Rule(hf + "shared_head.norm.weight", mf + "norm.weight"),
-           Rule(hf + "embed_tokens.weight", "tok_embeddings.weight", layout="copy"),
-           Rule(hf + "shared_head.head.weight", "output.weight", layout="copy")]
+           Rule(hf + "embed_tokens.weight", "tok_embeddings.weight", transform="copy"),
+           Rule(hf + "shared_head.head.weight", "output.weight", transform="copy")]
     return own + layer_rules(cfg, arch, layer, fused, mf=mf + "block.")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from moeflow.ep.inflight import InFlight
 
 # torch 2.13 renamed the tensor collectives (`all_gather_into_tensor` -> `all_gather_single`, likewise
-# reduce-scatter) and deprecated the old names; 2.11 (what a lent GPU machine's image holds) has only the old ones.
+# reduce-scatter) and deprecated the old names; 2.11 has only the old ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

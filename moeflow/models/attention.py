@@ -6,8 +6,8 @@ boolean tensor broadcastable to [B, H, Sq, Sk] (True = may attend). Packed seque
 mask built from per-position document ids; it is a plain tensor so that context parallelism can build the same
 mask for its own query/key chunks by passing their global indices.
 
-Why a boolean mask through scaled_dot_product_attention and not flex attention's block masks: on this machine
-(CPU) flex attention has no backward and its forward runs unfused; bench/doc_attention.py measures both.
+Why a boolean mask through scaled_dot_product_attention and not flex attention's block masks: on a CPU
+flex attention has no backward and its forward runs unfused; bench/doc_attention.py measures both.
 
 Shape suffixes: B batch, H heads, Sq query positions, Sk key positions, D width.
 """

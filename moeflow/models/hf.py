@@ -157,7 +157,7 @@ def _load(folder: Path, hf: dict, cfg: ModelConfig, dtype: torch.dtype, device) 
     _check_shapes(rules, present, state)
     by_name: dict[str, list[Rule]] = defaultdict(list)
     for r in rules:
-        if r.layout != "copy":  # copies are checked against what their own tensor loaded, after the rest
+        if r.transform != "copy":  # copies are checked against what their own tensor loaded, after the rest
             by_name[r.hf].append(r)
     filled = {r.mf for r in rules} | ({"output.weight"} if cfg.tie_embeddings else set())  # tied: the embedding
     for key, tensor in state.items():  # routers without a selection bias in the checkpoint start unbiased
@@ -189,7 +189,7 @@ def _check_copies(rules: list[Rule], present: dict, state: dict) -> None:
     from safetensors import safe_open
 
     for r in rules:
-        if r.layout != "copy":
+        if r.transform != "copy":
             continue
         file = present[r.hf][0]
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -203,28 +203,28 @@ def _check_copies(rules: list[Rule], present: dict, state: dict) -> None:
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor, rule: Rule) -> None:
-    """Copy one Hugging Face tensor into its moeflow place (see hf_arch's layouts); casts to dst's dtype."""
-    if rule.layout == "same":
+    """Copy one Hugging Face tensor into its moeflow place (see hf_arch's transforms); casts to dst's dtype."""
+    if rule.transform == "same":
         dst.copy_(src)
-    elif rule.layout == "transposed":
+    elif rule.transform == "transposed":
         dst[rule.expert].copy_(src.T)
-    elif rule.layout in ("gate_half", "up_half"):
+    elif rule.transform in ("gate_half", "up_half"):
         F = dst.shape[-1]
-        gate_up_EFD = src[:, :F] if rule.layout == "gate_half" else src[:, F:]
+        gate_up_EFD = src[:, :F] if rule.transform == "gate_half" else src[:, F:]
         dst.copy_(gate_up_EFD.transpose(1, 2))
-    elif rule.layout == "down_fused":
+    elif rule.transform == "down_fused":
         dst.copy_(src.transpose(1, 2))
     else:
-        raise AssertionError(rule.layout)
+        raise AssertionError(rule.transform)
 
 
 def hf_shape(rule: Rule, mf_shape: torch.Size) -> list[int]:
     """The shape the Hugging Face tensor must have for `rule`, from its moeflow tensor's shape."""
-    if rule.layout in ("same", "copy"):
+    if rule.transform in ("same", "copy"):
         return list(mf_shape)
-    if rule.layout == "transposed":  # one expert's [out, in] <- moeflow's [E, in, out]
+    if rule.transform == "transposed":  # one expert's [out, in] <- moeflow's [E, in, out]
         return [mf_shape[2], mf_shape[1]]
-    if rule.layout == "down_fused":  # [E, D, F] <- w2 [E, F, D]
+    if rule.transform == "down_fused":  # [E, D, F] <- w2 [E, F, D]
         E, F, D = mf_shape
         return [E, D, F]
     E, D, F = mf_shape  # gate_up_proj [E, 2F, D] <- w1 or w3 [E, D, F]
@@ -373,11 +373,11 @@ def save_pretrained(
 
 def to_hf(t: torch.Tensor, rule: Rule) -> torch.Tensor:
     """A moeflow tensor (or its expert slice) in the Hugging Face on-disk layout."""
-    if rule.layout == "same":
+    if rule.transform == "same":
         return t
-    if rule.layout == "copy":  # its own storage: safetensors refuses tensors that share memory
+    if rule.transform == "copy":  # its own storage: safetensors refuses tensors that share memory
         return t.clone()
-    assert rule.layout == "transposed", f"{rule.layout} is a load-only layout"
+    assert rule.transform == "transposed", f"{rule.transform} is a load-only transform"
     return t[rule.expert].T
 
 

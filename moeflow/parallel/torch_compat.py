@@ -1,6 +1,6 @@
 """What moeflow cannot do on torch older than 2.13, as one clear error instead of torch's own failure mid-step.
 
-moeflow is developed on torch 2.13 and also runs on 2.11 (the release in a lent GPU machine's image). On 2.11 the
+moeflow runs on torch 2.11 or later (2.13 is what `make` installs). On 2.11 the
 whole suite passes except what is refused here (and MXFP8, `training.fp8`), each checked there:
 - V-shaped pipeline schedules on gloo: a rank holds two neighbouring stages, and torch 2.11 connects them by a send
   to itself, which gloo refuses ("Pair is not connected").

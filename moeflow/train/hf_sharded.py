@@ -45,7 +45,7 @@ def load_owned(model: torch.nn.Module, cfg: ModelConfig) -> int:
     experts = expert_slices([model])  # fqn -> (first global expert here, experts here)
 
     def wanted(rule) -> bool:
-        if rule.mf not in state or rule.layout == "copy":  # MTP copies of the embedding / head: the main ones fill
+        if rule.mf not in state or rule.transform == "copy":  # MTP copies of the embedding / head: the main ones fill
             return False
         if rule.mf in experts and rule.expert is not None:
             first, count = experts[rule.mf]
