@@ -117,12 +117,13 @@ def run(cp: int, seq: int, repeats: int) -> dict:
 def planned_ratio(seq: int, cp: int) -> float:
     """The planner's activations(cp) / activations(1) for the same model, one layer stack, no checkpointing."""
     from moeflow.core.hardware import get_gpu
+    from moeflow.core.parallel_dims import ParallelDims
     from moeflow.plan.layout import Job, Layout
     from moeflow.plan.memory import memory_per_gpu
 
     cfg = _model(seq).cfg
     job = Job(cfg, get_gpu("H100-80GB"), 1, 8, seq, seq * 8)
-    act = lambda c: memory_per_gpu(job, Layout(1, 8 // c, 1, 1, 1, 3, 1, "none", cp=c))["activations"]
+    act = lambda c: memory_per_gpu(job, Layout(ParallelDims(8, zero=3, cp=c), 1, "none"))["activations"]
     return act(cp) / act(1)
 
 

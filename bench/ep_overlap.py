@@ -132,6 +132,7 @@ def gpu_projection() -> list[dict]:
     chunks 0 (overlap off) / 1 / 2 / 4, against its expert compute alone."""
     from moeflow.core.hardware import get_gpu
     from moeflow.core.model_config import ModelConfig, MoEConfig
+    from moeflow.core.parallel_dims import ParallelDims
     from moeflow.core.presets import get_preset
     from moeflow.plan.layout import Job, Layout
     from moeflow.plan.time import moe_layer_projection
@@ -141,7 +142,7 @@ def gpu_projection() -> list[dict]:
         cfg = (ModelConfig(dim=D, n_layers=1, moe=MoEConfig(num_experts=E, top_k=K, ffn_dim=F)) if model == "bench"
                else get_preset(model))
         seq = T if model == "bench" else 4096
-        lay = Layout(1, 8 * nodes, 1, 1, ep, 3, 1, "none")
+        lay = Layout(ParallelDims(8 * nodes, ep=ep, zero=3), 1, "none")
         for static in (False, True):  # parallel.ep_num_worst_tokens 0 (a host sync per dispatch) or -1
             job = Job(cfg, get_gpu(gpu), nodes, 8, seq, seq * 8 * nodes, ep_static_sizes=static)
             rows = [moe_layer_projection(job, lay, chunks) for chunks in (0, 1, 2, 4)]

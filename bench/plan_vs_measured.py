@@ -34,6 +34,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from moeflow.core.model_config import ModelConfig
+from moeflow.core.parallel_dims import ParallelDims
 from moeflow.models.transformer import Transformer
 from moeflow.plan.calibrate import calibrate
 from moeflow.plan.layout import Job, Layout
@@ -113,7 +114,7 @@ def main() -> None:
     print(f"\n{'micro_batch':>11} {'ac':>5} {'measured tok/s':>15} {'predicted tok/s':>16}")
     for mb, ac in LAYOUTS:
         measured = GLOBAL_SEQS * SEQ / statistics.median(times[mb, ac])
-        pred = step_time(job, Layout(1, 1, 1, 1, 1, 1, mb, ac))["tokens_per_s_per_gpu"]
+        pred = step_time(job, Layout(ParallelDims(1, zero=1), mb, ac))["tokens_per_s_per_gpu"]
         rows.append({"micro_batch": mb, "activation_checkpointing": ac, "measured_tokens_per_s": measured,
                      "predicted_tokens_per_s": pred})
         print(f"{mb:>11} {ac:>5} {measured:>15.0f} {pred:>16.0f}")

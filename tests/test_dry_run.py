@@ -8,6 +8,7 @@ import pytest
 
 from moeflow.config import load_config
 from moeflow.core.hardware import get_gpu
+from moeflow.core.parallel_dims import ParallelDims
 from moeflow.plan.layout import Job, Layout
 from moeflow.plan.memory import model_state_bytes, stage_params
 from moeflow.train.dry_run import rank_state
@@ -38,7 +39,7 @@ def test_dry_run_counts_match_the_planner(overrides, layout):
     cfg = _cfg(**overrides)
     got = rank_state(cfg, WORLD, rank=0)
     job = Job(cfg.model, get_gpu("H100-80GB"), nodes=8, gpus_per_node=8, seq_len=128, global_batch_tokens=128 * WORLD)
-    lay = Layout(**layout, micro_batch=1, activation_checkpointing="none")
+    lay = Layout(ParallelDims(WORLD, **layout), micro_batch=1, activation_checkpointing="none")
     dense, expert = stage_params(job, range(cfg.model.n_layers), first=True, last=True)
     predicted = model_state_bytes(dense, expert, lay)  # bf16 weights (2 bytes), fp32 AdamW state (12 bytes)
     assert got["params"] == pytest.approx(predicted["params"] / 2, rel=0.01)

@@ -112,7 +112,12 @@ def _planned_elements(cfg, sizes) -> dict[str, float]:
 
     job = Job(cfg.model, get_gpu("H100-80GB"), nodes=1, gpus_per_node=8, seq_len=cfg.data.seq_len,
               global_batch_tokens=cfg.data.seq_len * cfg.training.global_batch)
-    lay = Layout(*sizes[:6], micro_batch=1, activation_checkpointing="none", cp=sizes[6] if len(sizes) > 6 else 1)
+    from moeflow.core.parallel_dims import ParallelDims
+
+    dp_replicate, dp_shard, tp, pp, ep, zero, cp = (*sizes, 1)[:7]
+    dims = ParallelDims(dp_replicate * dp_shard * tp * pp * cp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
+                        pp=pp, ep=ep, zero=zero, cp=cp)
+    lay = Layout(dims, micro_batch=1, activation_checkpointing="none")
     fullest = max(model_state_per_rank(job, lay), key=lambda b: b["params"])
     return {"params": fullest["params"] / 2, "grads": fullest["grads"] / 2, "optimizer": fullest["optimizer"] / 12}
 

@@ -10,6 +10,7 @@ import pytest
 from moeflow.core.hardware import get_gpu
 from moeflow.core.hf_arch import config_from_hf
 from moeflow.core.model_config import ModelConfig, MoEConfig
+from moeflow.core.parallel_dims import ParallelDims
 from moeflow.core.presets import PUBLISHED, get_preset
 from moeflow.core.schedules import SCHEDULES
 from moeflow.plan.advice import advise
@@ -32,8 +33,10 @@ def job_for(cfg, gpu="H100-80GB", nodes=1, gpn=8, seq=64, batch=64 * 64, **kw):
     return Job(cfg, get_gpu(gpu), nodes, gpn, seq, batch, **kw)
 
 
-def lay(dp_shard=1, tp=1, pp=1, ep=1, zero=1, mb=1, ac="selective", dp_replicate=1):
-    return Layout(dp_replicate, dp_shard, tp, pp, ep, zero, mb, ac)
+def lay(dp_shard=1, tp=1, pp=1, ep=1, zero=1, mb=1, ac="selective", dp_replicate=1, pp_schedule="1F1B", cp=1):
+    dims = ParallelDims(dp_replicate * dp_shard * tp * pp * cp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
+                        pp=pp, ep=ep, zero=zero, pp_schedule=pp_schedule, cp=cp)
+    return Layout(dims, mb, ac)
 
 
 def test_hand_model_param_count():
@@ -135,14 +138,14 @@ def test_context_parallel_memory_and_time_hand_worked():
     # sequence, so a quarter of the activations, plus 3/4 of each layer's bf16 keys and values, gathered.
     job = job_for(HAND, gpn=4, seq=64, batch=64 * 4)
     dp4 = memory_per_gpu(job, lay(dp_shard=4, zero=3, ac="none"))
-    cp4 = memory_per_gpu(job, Layout(1, 1, 1, 1, 1, 3, 1, "none", cp=4))
+    cp4 = memory_per_gpu(job, lay(zero=3, ac="none", cp=4))
     for part in ("params", "grads", "optimizer"):
         assert cp4[part] == pytest.approx(dp4[part]), part
     gathered_kv = 2 * (2 * 64 * 16 * 3 / 4)  # 2 layers x bf16 x 64 tokens x 16 elements x 3/4 from the others
     assert cp4["activations"] * 1e9 == pytest.approx(dp4["activations"] * 1e9 / 4 + gathered_kv)
     # time: per layer an all-gather and a reduce-scatter of the 64 x 16 x 2 bytes over 4 ranks, for each of the
     # 4 micro-batches (one sequence each), inside the node
-    t = step_time(job, Layout(1, 1, 1, 1, 1, 3, 1, "none", cp=4))
+    t = step_time(job, lay(zero=3, ac="none", cp=4))
     alpha, beta = 5e-6, get_gpu("H100-80GB").intra_gbps * 1e9
     assert t["cp_s"] == pytest.approx(4 * 2 * 2 * (3 * alpha + 3 / 4 * 64 * 16 * 2 / beta))
     assert step_time(job, lay(dp_shard=4, zero=3, ac="none"))["cp_s"] == 0.0
@@ -418,7 +421,7 @@ def test_schedule_bubbles_against_published_tables():
 def test_schedule_changes_activation_memory():
     cfg = ModelConfig(vocab_size=100, dim=256, n_layers=8, n_heads=4, ffn_dim=512)
     job = job_for(cfg, gpn=4, seq=64, batch=64 * 16)
-    act = {name: memory_per_gpu(job, Layout(1, 1, 1, 4, 1, 1, 1, "selective", name))["activations"]
+    act = {name: memory_per_gpu(job, lay(pp=4, pp_schedule=name))["activations"]
            for name in ("1F1B", "Interleaved1F1B", "GPipe", "ZBVZeroBubble")}
     # 1F1B's fullest stage is the first, holding p = 4 micro-batches; GPipe's every stage holds all 16, the last
     # one also the fp32 logits (4 * 64 tokens * 100 vocab bytes); the V placement puts the last stage, and its
@@ -452,7 +455,7 @@ def test_search_picks_a_schedule_the_trainer_runs():
 
 def test_ep_overlap_hides_communication_up_to_compute():
     job = job_for(get_preset("deepseek-v3"), "H800", 32, 8, 4096, 4096 * 1024)
-    layout = Layout(1, 256, 1, 1, 64, 3, 1, "none")
+    layout = lay(dp_shard=256, ep=64, zero=3, ac="none")
     job.ep_chunks = 0
     off = step_time(job, layout)
     job.ep_overlap = True
@@ -497,7 +500,7 @@ def test_in_layer_overlap_schedule_by_hand():
 
 def test_planner_costs_the_trainers_ep_chunks():
     job = job_for(get_preset("deepseek-v3"), "H800", 32, 8, 4096, 4096 * 1024)
-    layout = Layout(1, 256, 1, 1, 64, 3, 1, "none")
+    layout = lay(dp_shard=256, ep=64, zero=3, ac="none")
     ep = {}
     for chunks in (0, 1, 2, 4):
         job.ep_chunks = chunks
@@ -511,7 +514,7 @@ def test_planner_costs_the_trainers_ep_chunks():
     job.ep_static_sizes = False
     # full recomputation runs the forward's dispatch and combine again in backward
     job.ep_chunks, job.ep_static_sizes = 0, True  # (no count exchange, which only the forward has)
-    plain, full = (step_time(job, Layout(1, 256, 1, 1, 64, 3, 1, ac))["ep_s"] for ac in ("none", "full"))
+    plain, full = (step_time(job, lay(dp_shard=256, ep=64, zero=3, ac=ac))["ep_s"] for ac in ("none", "full"))
     assert full == pytest.approx(1.5 * plain)
     job.ep_static_sizes = False
     for chunks in (-1, 4097):
@@ -534,8 +537,8 @@ def test_fp8_speeds_up_matmuls_only():
     # training.fp8 keeps the output head in bf16: its cost does not change, a layer's falls
     from moeflow.plan.time import _layer_costs
 
-    lay = Layout(1, 8, 1, 1, 1, 3, 1, "none")
-    (dense8, _, head8), (dense16, _, head16) = (_layer_costs(job_for(cfg, "H100-80GB", precision=p), lay)
+    dp8 = lay(dp_shard=8, zero=3, ac="none")
+    (dense8, _, head8), (dense16, _, head16) = (_layer_costs(job_for(cfg, "H100-80GB", precision=p), dp8)
                                                 for p in ("fp8", "bf16"))
     assert head8 == head16 and dense8.total < dense16.total
     # MXFP8 (training.fp8 = 'mxfp8') needs Blackwell's block-scaled tensor cores

@@ -23,13 +23,11 @@ schedule setup inside torch); dry-running all ranks of every layout would take a
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import pytest
 
 from moeflow.config import load_config
 from moeflow.core.hardware import get_gpu
-from moeflow.core.parallel_dims import SIZE_KEYS
+from moeflow.core.parallel_dims import SIZE_KEYS, ParallelDims
 from moeflow.core.presets import get_preset
 from moeflow.plan.cli import plan
 from moeflow.plan.layout import Job, Layout
@@ -62,7 +60,10 @@ def _id(case) -> str:
 
 
 def _layout(row: dict) -> Layout:
-    return Layout(**{f.name: row[f.name] for f in fields(Layout)})
+    sizes = {key: row[key] for key in (*SIZE_KEYS, "zero", "pp_schedule")}
+    world = row["dp_replicate"] * row["dp_shard"] * row["tp"] * row["pp"] * row["cp"]
+    return Layout(ParallelDims(world, **sizes), row["micro_batch"], row["activation_checkpointing"],
+                  row["virtual_stages"])
 
 
 def _config(job: Job, row: dict):
@@ -143,7 +144,8 @@ def test_deepseek_v3_zero1_at_2048_ranks():
     assert out["ranks"][0]["dims"] == {"dp_replicate": 1, "dp_shard": 128, "tp": 1, "pp": 16, "ep": 64, "cp": 1}
     _conserves_parameters(out, cfg)
     job = Job(cfg.model, get_gpu("H800"), world // GPUS_PER_NODE, GPUS_PER_NODE, SEQ, 4096 * SEQ)
-    lay = Layout(1, 128, 1, 16, 64, 1, micro_batch=1, activation_checkpointing="none")
+    dims = ParallelDims(world, dp_shard=128, pp=16, ep=64, zero=1)
+    lay = Layout(dims, micro_batch=1, activation_checkpointing="none")
     for pp_rank, (got, want) in enumerate(zip(out["ranks"], model_state_per_rank(job, lay), strict=True)):
         _assert_close(_measured(got), _planned(want), ("pp rank", pp_rank))
 

@@ -22,6 +22,7 @@ import pytest
 
 from moeflow.core.hardware import get_gpu
 from moeflow.core.model_config import ModelConfig
+from moeflow.core.parallel_dims import ParallelDims
 from moeflow.core.presets import get_preset
 from moeflow.plan.compute import KERNEL_EFFICIENCY
 from moeflow.plan.layout import Job, Layout
@@ -68,7 +69,8 @@ class Run:
 
 
 def L(tp, pp, dp, zero, mb, ac, schedule="1F1B", v=0, ep=1):  # noqa: N802 - a layout, compactly
-    return Layout(1, dp, tp, pp, ep, zero, mb, ac, schedule, v)
+    dims = ParallelDims(dp * tp * pp, dp_shard=dp, tp=tp, pp=pp, ep=ep, zero=zero, pp_schedule=schedule)
+    return Layout(dims, mb, ac, v)
 
 
 KORTHIKANTI = "Korthikanti et al. 2022, arXiv:2205.05198, Tables 3 and 5"
@@ -214,7 +216,8 @@ def test_schedule_and_overlap_matter_where_the_runs_say_so():
     assert t["bubble_fraction"] == pytest.approx(63 / (512 + 63), rel=1e-6)
     gpt175 = next(r for r in RUNS if r.name == "GPT 175B")
     inter = predict(gpt175)["bubble_s"]
-    plain = step_time(gpt175.job_for(), replace(gpt175.layout, pp_schedule="1F1B", virtual_stages=0))["bubble_s"]
+    one_stage = replace(gpt175.layout.with_dims(pp_schedule="1F1B"), virtual_stages=0)
+    plain = step_time(gpt175.job_for(), one_stage)["bubble_s"]
     assert inter == pytest.approx(plain / 3, rel=0.02)  # 96 layers split 8 x 12 or 24 x 4: the same rank loads
     # DeepSeek-V3 without DualPipe's overlap pays its inter-node all-to-all: slower.
     dsv3 = next(r for r in RUNS if r.name == "DeepSeek-V3, 2048 H800")

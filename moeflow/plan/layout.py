@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from moeflow.core.hardware import GPU
 from moeflow.core.model_config import ModelConfig
+from moeflow.core.parallel_dims import SIZE_KEYS, ParallelDims
 from moeflow.core.schedules import SCHEDULES
 from moeflow.plan.compute import KERNEL_EFFICIENCY
 
@@ -128,19 +129,28 @@ class Job:
         return self
 
 
+def _size(name: str) -> property:
+    return property(lambda self: getattr(self.dims, name), doc=f"dims.{name}")
+
+
 @dataclass(frozen=True)
 class Layout:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
-    ep: int
-    zero: int
+    """One candidate the planner scores: the parallel sizes, as the ParallelDims the trainer checks (so a layout
+    the planner lists is one `moeflow train` accepts), and the choices that change memory and time but not which
+    rank does what."""
+
+    dims: ParallelDims
     micro_batch: int
-    activation_checkpointing: str
-    pp_schedule: str = "1F1B"  # one of moeflow.core.schedules.SCHEDULES; only matters with pp > 1
+    activation_checkpointing: str  # one of AC_MODES
     virtual_stages: int = 0  # pipeline stages per rank; 0 = the schedule's default (what the trainer runs)
-    cp: int = 1  # context parallel: ranks one sequence is split over (they see the same data)
+
+    dp_replicate, dp_shard, tp, pp, ep = (_size(n) for n in ("dp_replicate", "dp_shard", "tp", "pp", "ep"))
+    zero, cp, dp, world = (_size(n) for n in ("zero", "cp", "dp", "world_size"))
+    pp_schedule = _size("pp_schedule")  # only matters with pp > 1
+
+    def with_dims(self, **sizes) -> Layout:
+        """This layout with some sizes changed (checked again)."""
+        return replace(self, dims=replace(self.dims, **sizes))
 
     @property
     def stages_per_rank(self) -> int:
@@ -156,21 +166,16 @@ class Layout:
         loop = SCHEDULES[self.pp_schedule].placement == "loop"
         return f"{self.pp_schedule} v{self.stages_per_rank}" if loop else self.pp_schedule
 
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
     def num_micro_batches(self, job: Job) -> int:
         """Micro-batches per step per pipeline: global batch = dp * m * micro_batch * seq_len."""
         seqs_per_replica, rem = divmod(job.global_batch_tokens // job.seq_len, self.dp * self.micro_batch)
         return 0 if rem else seqs_per_replica
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "stages_per_rank": self.stages_per_rank}
+        """The layout as one flat record (plan --json)."""
+        sizes = {key: getattr(self.dims, key) for key in (*SIZE_KEYS, "zero", "pp_schedule")}
+        return {**sizes, "micro_batch": self.micro_batch, "activation_checkpointing": self.activation_checkpointing,
+                "virtual_stages": self.virtual_stages, "stages_per_rank": self.stages_per_rank}
 
     def short(self) -> str:
         sched = "" if self.pp == 1 else f" {self.schedule_label}"

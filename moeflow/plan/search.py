@@ -13,7 +13,7 @@ Feasible = fits in memory and the global batch splits into whole micro-batches."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from moeflow.core.parallel_dims import ParallelDims
 from moeflow.core.schedules import SCHEDULES, resolve_schedule
@@ -138,7 +138,8 @@ def candidates(job: Job, cons: Constraints | None = None):
                         for mb in MICRO_BATCHES:
                             runnable = [x for x in scheds if _microbatches_ok(job, dp, pp, mb, x)]
                             for ac in acs:
-                                group = [Layout(dp // dp_shard, dp_shard, tp, pp, ep, zero, mb, ac, x, cp=cp)
+                                group = [Layout(ParallelDims(job.world, dp_replicate=dp // dp_shard, tp=tp, pp=pp,
+                                                             ep=ep, zero=zero, pp_schedule=x, cp=cp), mb, ac)
                                          for x in runnable]
                                 if group:
                                     yield group
@@ -150,7 +151,7 @@ def _microbatches_ok(job: Job, dp: int, pp: int, mb: int, schedule: str) -> bool
     seqs, rem = divmod(job.global_batch_tokens // job.seq_len, dp * mb)
     if pp == 1 or rem or seqs == 0:
         return True
-    v = Layout(1, 1, 1, pp, 1, 1, mb, "none", schedule).stages_per_rank
+    v = Layout(ParallelDims(pp, pp=pp, zero=1, pp_schedule=schedule), mb, "none").stages_per_rank
     return schedule_refusal(schedule, seqs, pp, v) is None
 
 
@@ -158,7 +159,7 @@ def memory_layout(lay: Layout) -> Layout:
     """The layout whose memory `lay` has when the trainer runs it: under a zero-bubble schedule ZeRO-3 keeps the
     parameters gathered for the whole step (moeflow.parallel.pipeline), ZeRO-2's memory."""
     zb3 = lay.zero == 3 and lay.pp > 1 and lay.pp_schedule in ZERO_BUBBLE
-    return replace(lay, zero=2) if zb3 else lay
+    return lay.with_dims(zero=2) if zb3 else lay
 
 
 def evaluate(job: Job, lay: Layout, time: dict | None = None) -> Result:
