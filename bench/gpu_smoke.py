@@ -352,7 +352,7 @@ def masked_gqa_attention(device, B=1, H=16, Hk=4, S=4096, D=128):
 @check("fp8")
 def fp8_training(python: str, device):
     if device.type != "cuda":
-        return "skipped off CUDA (tests/test_fp8.py runs the CPU recipes)"
+        return "skipped off CUDA (tests/parallel/test_fp8.py runs the CPU recipes)"
     out = subprocess.run([python, "bench/fp8.py", "--steps", "50", "--max-rel", "0.03"], capture_output=True,
                          text=True, timeout=900, cwd=REPO)
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "first loss" not in line]
@@ -368,7 +368,7 @@ def deep_ep_check(device):
         import deep_ep  # noqa: F401
     except ImportError:
         return "skipped: deep_ep not installed"
-    return "installed (the adapter's checks run in tests/test_deep_ep_adapter.py with the real package)"
+    return "installed (the adapter's checks run in tests/ep/test_deep_ep_adapter.py with the real package)"
 
 
 def main() -> int:

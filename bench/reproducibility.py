@@ -1,11 +1,11 @@
-"""Is training reproducible? Every layout of the layout matrix (tests/test_layouts.py), trained twice.
+"""Is training reproducible? Every layout of the layout matrix (tests/parallel/test_layouts.py), trained twice.
 
     .venv/bin/python bench/reproducibility.py
 
-Each world size's layouts run in one launch of local gloo processes (tests/layout_worker.py), and the whole
+Each world size's layouts run in one launch of local gloo processes (tests/parallel/layout_worker.py), and the whole
 launch is repeated: the second launch is the same job started again from nothing, as a user would. Per layout:
 the losses and global gradient norms of the 3 steps, and the final parameters (each rank's checkpoint read into
-one process), compared bit for bit between the two launches. `tests/test_faults.py` runs two of these layouts
+one process), compared bit for bit between the two launches. `tests/train/test_faults.py` runs two of these layouts
 twice in `make test`. Prints a table and writes bench/out/reproducibility.json; there is no chart (a column of
 zeros is the result).
 """
@@ -27,8 +27,8 @@ OUT = REPO / "bench" / "out"
 
 
 def main() -> None:
-    from tests.layout_worker import launch
-    from tests.test_layouts import BASE, LAYOUTS, _cfg, _final_params, _losses
+    from tests.parallel.layout_worker import launch
+    from tests.parallel.test_layouts import BASE, LAYOUTS, _cfg, _final_params, _losses
 
     print(f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"torch {torch.__version__}")

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent / "moeflow"
+from tests.support.cli import REPO
+
+ROOT = REPO / "moeflow"
 
 # Layer of each package or module (longest prefix wins) and the layers it may import. Lower layers never import
 # higher ones; docs/design.md, "Layers".

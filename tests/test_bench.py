@@ -3,15 +3,29 @@ scripts take the names the READMEs use."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
-import readme_figures  # noqa: E402
+from tests.support.cli import REPO
+
+BENCH = REPO / "bench"
+
+
+def _bench_script(name: str):
+    """A bench/ script as a module (bench/ is a folder of scripts, not a package). Registered under its name, as the
+    scripts import each other by it (`from moe_layer import ...`) when run from bench/."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+readme_figures = _bench_script("readme_figures")
 
 
 def test_readme_figures_equal_the_committed_benchmark_output():
@@ -32,8 +46,8 @@ def test_a_changed_figure_is_caught():
 
 def test_bench_archs_take_the_names_the_readme_uses():
     pytest.importorskip("transformers")
-    import hf_models
-    import moe_layer
+    moe_layer = _bench_script("moe_layer")
+    hf_models = _bench_script("hf_models")
 
     assert moe_layer.parse_args(["--archs", "Qwen3-MoE,mixtral,OLMoE,deepseek-v3,qwen3_moe"]).archs == [
         "qwen3_moe", "mixtral", "olmoe", "deepseek_v3"]

@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers")
 from moeflow.cli import main as cli_main  # noqa: E402
 from moeflow.generate import eos_ids, generate, pick  # noqa: E402
 from moeflow.models.hf import from_pretrained  # noqa: E402
-from tests.data_fixtures import WORDS  # noqa: E402
-from tests.test_hf import V, _hf_configs, _randomize  # noqa: E402
+from tests.support.data_fixtures import WORDS  # noqa: E402
+from tests.support.hf_models import V, hf_configs, randomize  # noqa: E402
 
 torch.set_num_threads(1)
 transformers.logging.set_verbosity_error()
@@ -42,12 +42,12 @@ def _word_tokenizer(folder) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """{name: (folder, transformers model)} for the tiny configs of tests/test_hf.py (random weights)."""
+    """{name: (folder, transformers model)} for the tiny configs of tests/models/test_hf.py (random weights)."""
     out = {}
-    for i, (name, config) in enumerate(_hf_configs().items()):
+    for i, (name, config) in enumerate(hf_configs().items()):
         torch.manual_seed(0)
         hf = transformers.AutoModelForCausalLM.from_config(config)
-        _randomize(hf, seed=10 + i)
+        randomize(hf, seed=10 + i)
         with torch.no_grad():  # tied heads otherwise repeat the last token: greedy output would be one token
             hf.get_input_embeddings().weight.mul_(0.1)
         folder = tmp_path_factory.mktemp(name)

@@ -91,7 +91,7 @@ def _shard_experts(moe: MoE, dims: ParallelDims, mesh, fsdp: dict) -> None:
     if dims.efsdp > 1:
         # Sum, then divide locally (gloo has no PREMUL_SUM; on NCCL the same result in fp32), on every
         # device so the tested path is the one GPUs run. Not when the reduce-scatter group has one rank:
-        # torch 2.13 then divides in its local copy and again after (found by tests/test_layouts.py:
+        # torch 2.13 then divides in its local copy and again after (found by tests/parallel/test_layouts.py:
         # expert gradients came out 1/dp of the right ones).
         experts.set_force_sum_reduction_for_comms(True)
 

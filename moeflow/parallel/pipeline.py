@@ -69,7 +69,7 @@ from moeflow.parallel.runner import (
 from moeflow.parallel.torch_compat import pipeline_refusal
 
 # The torch class that runs each schedule of moeflow.core.schedules.SCHEDULES (all seven of torch 2.13's
-# schedules match the single-device model on CPU/gloo, tests/test_pp.py, with two workarounds below: V-schedule
+# schedules match the single-device model on CPU/gloo, tests/parallel/test_pp.py, with two workarounds below: V-schedule
 # evaluation, and FSDP parameters kept unsharded under the zero-bubble schedules).
 SCHEDULE_CLASSES: dict[str, type] = {
     "GPipe": ScheduleGPipe,
@@ -339,7 +339,7 @@ def _static_shapes(module, index: int, num_stages: int, device, microbatch_shape
     Given these, torch's stages skip their shape-inference forward and backward, which run every stage
     once on uninitialised memory (torch.empty) before the first step: through the routers, FSDP's
     all-gathers and moeflow.ep's all-to-alls, whose order then differed between the ranks of an EP group
-    (garbage routes tokens differently) and deadlocked on gloo (captured with tests/layout_worker.py FH=).
+    (garbage routes tokens differently) and deadlocked on gloo (captured with tests/parallel/layout_worker.py FH=).
     Only for plain tensors: with tensor parallelism the last stage returns DTensor logits, whose gradient
     metadata torch must infer itself (microbatch_shape None).
     """

@@ -38,7 +38,7 @@ KERNEL_EFFICIENCY = 0.69
 reach together: clocks under the sustained power draw of every GPU at once, matmul shapes off the measured best
 one, kernel launch gaps, the optimizer step and data loading, none of them modelled one by one. A calibration,
 not a measurement, and the time model's only fitted number: the value at which the geometric mean of predicted /
-published tokens per second over the 13 published runs of tests/test_plan_published.py is 1 (they span A100,
+published tokens per second over the 13 published runs of tests/plan/test_plan_published.py is 1 (they span A100,
 H100 and H800, dense and MoE, 8 to 16384 GPUs). That test also predicts each run with the value fitted to the
 other twelve (leave-one-out): all within 25%."""
 ATTENTION_EFFICIENCY = 0.5

@@ -1,0 +1,54 @@
+"""Tensor + sequence parallelism over gloo: every layout against the same model unparallelized, in fp32.
+
+One launch per world size runs every case (tests/parallel/tp_worker.py). World 2, tp=2: moeflow dense (GQA, qk_norm
+per_head and full, tied embeddings), the tiny MoE (aux and z losses), pipeline stages, Hugging Face Llama, Qwen3
+and Qwen3-MoE with moeflow MoE blocks, the vocab-parallel loss, bad input. World 4: tp=2 x dp=2 with FSDP2, and
+tp=2 x ep=2."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.parallel import tp_worker
+from tests.support.dist_harness import check_results
+
+
+def test_world1_tp1_is_a_noop_and_loss_is_cross_entropy():
+    cases = [("tp=1 no-op", tp_worker.case_tp1_noop,
+        {}), ("plain loss and grad norm", tp_worker.case_plain_loss_and_norm, {}),
+             ("parallelize adds no attributes, world 1", tp_worker.case_parallelize_adds_no_attributes, {})]
+    check_results([tp_worker.run_inline(cases)], cases)
+
+
+@pytest.mark.timeout(180)
+def test_world2_tp2():
+    cases = [
+        ("vocab-parallel loss", tp_worker.case_loss, {}),
+        ("bad input", tp_worker.case_bad_inputs, {}),
+        ("dense, GQA, qk_norm per_head, tied", tp_worker.case_moeflow, dict(kind="dense")),
+        ("dense, qk_norm full", tp_worker.case_moeflow, dict(kind="dense", qk_norm="full", tie_embeddings=False)),
+        ("tiny MoE", tp_worker.case_moeflow, dict(kind="moe")),
+        ("MoE grads equal over tp", tp_worker.case_moe_grads_equal_over_tp, {}),
+        ("pipeline stages", tp_worker.case_pipeline_stages, {}),
+        ("HF Llama", tp_worker.case_hf, dict(arch="llama")),
+        ("HF Qwen3", tp_worker.case_hf, dict(arch="qwen3")),
+        ("HF Qwen3-MoE, moeflow MoE blocks", tp_worker.case_hf, dict(arch="qwen3_moe")),
+        ("tp=1 dim of a mesh", tp_worker.case_tp1_noop, {}),
+        ("HF Llama through moeflow.parallelize, tp=2", tp_worker.case_hf_parallelize, dict(arch="llama", tp=2)),
+        ("HF Qwen3-MoE through moeflow.parallelize, ep=2", tp_worker.case_hf_parallelize, dict(arch="qwen3_moe", ep=2)),
+        ("parallelize adds no attributes, world 2", tp_worker.case_parallelize_adds_no_attributes, {}),
+    ]
+    check_results(tp_worker.launch(2, cases), cases)
+
+
+@pytest.mark.timeout(240)
+def test_world4_tp2_with_fsdp2_and_ep():
+    cases = [
+        ("tiny MoE, tp=2 x dp=2, FSDP2, activation checkpointing", tp_worker.case_moeflow,
+         dict(kind="moe", dp=2, checkpointing="full")),
+        ("dense, tied, tp=2 x dp=2, FSDP2", tp_worker.case_moeflow, dict(kind="dense", dp=2)),
+        ("tiny MoE, tp=2 x ep=2", tp_worker.case_tp_with_ep, {}),
+        ("HF Qwen3-MoE through moeflow.parallelize, tp=2 x ep=2", tp_worker.case_hf_parallelize,
+         dict(arch="qwen3_moe", tp=2, ep=2)),
+    ]
+    check_results(tp_worker.launch(4, cases), cases)
