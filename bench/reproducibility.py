@@ -27,8 +27,8 @@ OUT = REPO / "bench" / "out"
 
 
 def main() -> None:
-    from tests.parallel.layout_worker import launch
-    from tests.parallel.test_layouts import BASE, LAYOUTS, _cfg, _final_params, _losses
+    from tests.parallel.layout_worker import BASE, LAYOUTS, launch
+    from tests.parallel.test_layouts import _cfg, _final_params, _losses
 
     print(f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"torch {torch.__version__}")

@@ -1,0 +1,91 @@
+"""Expert parallelism for a Hugging Face model's own experts modules, through transformers 5's experts interface.
+
+transformers 5 decorates the experts module of its MoE architectures with `use_experts_implementation`: one call,
+`experts(hidden_states [T, D], top_k_index [T, K], top_k_weights [T, K])`, dispatched to the function registered
+under `config._experts_implementation`. moeflow registers one more, EXPERTS_IMPLEMENTATION. It sends each token
+once to every rank owning one of its experts (moeflow.ep.Buffer.dispatch), runs transformers' own grouped-matmul
+experts function on the rows that arrived for this rank's E / R experts (so biases, interleaved or transposed
+weights and custom gates stay the architecture's), and sums each token's copies back (Buffer.combine). The router,
+shared experts and everything else stay transformers' modules, replicated; their gradients are this rank's tokens'
+share, which data parallelism sums.
+
+Shape legend: T tokens (this rank's), K top-k, E experts, L local experts (E // R), D hidden, R ranks, N received
+rows.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from moeflow.ep.buffer import Buffer
+
+EXPERTS_IMPLEMENTATION = "moeflow_ep"
+EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+
+# experts module -> (its Buffer, E): kept beside the module, which gains no attribute
+_EXPERT_PARALLEL: weakref.WeakKeyDictionary[nn.Module, tuple[Buffer, int]] = weakref.WeakKeyDictionary()
+
+
+def is_hf_experts(module: nn.Module) -> bool:
+    """A transformers experts module decorated with `use_experts_implementation` (it sets `_is_expert_parallel`)."""
+    return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
+
+
+def hf_experts_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if is_hf_experts(m)]
+
+
+def apply_hf_expert_parallel(model: nn.Module, group=None, backend: str = "auto") -> int:
+    """Keep this rank's E / R experts of every transformers experts module of `model` and route its tokens through
+    moeflow.ep over `group` (None: the default group). Returns how many experts modules it changed.
+
+    Each module keeps its class and parameter names: its expert tensors become this rank's slice [r * L, (r+1) * L),
+    `num_experts` becomes L, and `_is_expert_parallel` tells transformers' grouped-matmul function to skip the rows
+    of experts on other ranks. ValueError, before anything changes, when E does not split over the ranks."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    modules = hf_experts_modules(model)
+    if not modules:
+        return 0
+    buffer = Buffer(group, backend=backend)
+    R, r = buffer.group_size, buffer.rank
+    for module in modules:
+        if module.num_experts % R:
+            raise ValueError(f"parallel.ep = {R} does not divide the {module.num_experts} experts of "
+                             f"{type(module).__name__}; choose an ep that divides {module.num_experts}")
+    ALL_EXPERTS_FUNCTIONS[EXPERTS_IMPLEMENTATION] = experts_forward
+    for module in modules:
+        E = module.num_experts
+        L = E // R
+        for name in EXPERT_TENSORS:
+            full = getattr(module, name, None)
+            if isinstance(full, nn.Parameter):
+                setattr(module, name, nn.Parameter(full.detach()[r * L:(r + 1) * L].clone(),
+                                                   requires_grad=full.requires_grad))
+        module.num_experts = L
+        module._is_expert_parallel = True
+        module.config._experts_implementation = EXPERTS_IMPLEMENTATION
+        _EXPERT_PARALLEL[module] = (buffer, E)
+    return len(modules)
+
+
+def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts interface's call for a module apply_hf_expert_parallel changed: [T, D] in, [T, D] out, as
+    transformers' own functions (sum over k of top_k_weights[:, k] * expert_k(token))."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    buffer, E = _EXPERT_PARALLEL[self]
+    per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(top_k_index, E)
+    # Buffer takes float32 weights (DeepEP's format); back to the router's dtype on arrival
+    recv_x_ND, recv_idx_NK, recv_w_NK, _, handle, _ = buffer.dispatch(
+        hidden_states, topk_idx=top_k_index, topk_weights=top_k_weights.float(), num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    # -1 (an expert on another rank) becomes L, the sentinel transformers' function skips under expert parallelism
+    local_idx_NK = torch.where(recv_idx_NK >= 0, recv_idx_NK, self.num_experts)
+    y_ND = grouped_mm_experts_forward(self, recv_x_ND, local_idx_NK, recv_w_NK.to(top_k_weights.dtype))
+    y_TD, _, _ = buffer.combine(y_ND.to(hidden_states.dtype), handle)
+    return y_TD

@@ -1,0 +1,87 @@
+"""Expert parallelism of transformers' own experts modules (moeflow/parallel/hf_experts.py), against transformers'
+own model in one process on the whole batch: two gloo ranks, each with one sequence, give that sequence's logits,
+the local slice of every expert gradient and (summed over the ranks) every other gradient.
+
+Qwen3-MoE (concatenated gate/up, no bias, one expert per token) and gpt-oss (interleaved gate/up, transposed
+weights, biases, clamped SwiGLU, attention sinks, sliding windows) cover the experts interface's variants."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+from moeflow.parallel.hf_experts import EXPERT_TENSORS, apply_hf_expert_parallel, hf_experts_modules  # noqa: E402
+from tests.support.dist_harness import check_results, launch  # noqa: E402
+from tests.support.hf_models import V, hf_configs, randomize  # noqa: E402
+from tests.support.numerics import assert_same_up_to_order  # noqa: E402
+
+S = 12  # tokens per sequence
+# The summed reduction lengths along a logit's path in these tiny models (2-3 layers of widths <= 64, attention
+# over S, the vocabulary): under 1,000, so 1,000 x fp32 eps bounds a difference in summation order alone.
+REDUCTION = 1000
+
+
+def _config(arch: str):
+    if arch == "gpt_oss":
+        return transformers.GptOssConfig(
+            vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+            max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"])
+    return hf_configs()[arch]
+
+
+def case_matches_one_process(arch: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same weights and batch on every rank
+    cfg = _config(arch)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    randomize(ref, seed=1)
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, V, (world, S))
+    probe = torch.randn(world, S, V)  # a linear loss: every logit's gradient is nonzero
+    logits_ref = ref(ids).logits
+    (logits_ref * probe).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ref.parameters() if p.requires_grad)
+
+    assert apply_hf_expert_parallel(model) == len(hf_experts_modules(ref))
+    logits = model(ids[rank:rank + 1]).logits
+    (logits * probe[rank:rank + 1]).sum().backward()
+    assert_same_up_to_order(logits, logits_ref[rank:rank + 1], REDUCTION, "logits")
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        if name.rsplit(".", 1)[-1] in EXPERT_TENSORS:
+            L = q.shape[0] // world
+            assert p.shape[0] == L, name
+            assert_same_up_to_order(p.grad, q.grad[rank * L:(rank + 1) * L], REDUCTION, name)
+        else:  # replicated: this rank's tokens' share, summed as data parallelism would
+            dist.all_reduce(p.grad)
+            assert_same_up_to_order(p.grad, q.grad, REDUCTION, name)
+
+
+def case_experts_that_do_not_split_are_refused() -> None:
+    cfg = transformers.Qwen3MoeConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=3,
+                                      num_experts_per_tok=1, moe_intermediate_size=16)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    before = [p.shape for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"parallel.ep = 2 does not divide the 3 experts of Qwen3MoeExperts"):
+        apply_hf_expert_parallel(model)
+    assert [p.shape for p in model.parameters()] == before  # nothing changed
+
+
+def _run(_, case) -> None:
+    name, fn, kwargs = case
+    fn(**kwargs)
+
+
+@pytest.mark.timeout(180)
+def test_hf_experts_under_ep2_equal_one_process():
+    cases = [("qwen3_moe", case_matches_one_process, dict(arch="qwen3_moe")),
+             ("gpt_oss", case_matches_one_process, dict(arch="gpt_oss")),
+             ("mixtral", case_matches_one_process, dict(arch="mixtral")),
+             ("3 experts over 2 ranks refused", case_experts_that_do_not_split_are_refused, {})]
+    check_results(launch(2, cases, _run), cases)
