@@ -142,3 +142,10 @@ def test_every_registered_choice_is_a_setting_checked_and_listed():
         assert f"one of: {', '.join(choices)}" in help_text, setting
         with pytest.raises(ValueError, match=setting.replace(".", r"\.")):
             load_config(None, {setting: "not-a-choice"}).layout(1)
+
+
+def test_every_registered_ep_transport_has_a_backend():
+    from moeflow.core.choices import EP_TRANSPORTS
+    from moeflow.ep.backends import BACKENDS
+
+    assert tuple(BACKENDS) == EP_TRANSPORTS

@@ -20,6 +20,9 @@ DEEP_EP_NODE_SIZES = (2, 4, 8)
 DEEP_EP_GROUP_SIZES = (*DEEP_EP_NODE_SIZES, 16, 24, 32, 48, 64, 96, 128, 144, 160)
 # 'every-N' stands for every-1, every-2, ...: recompute every N-th block.
 ACTIVATION_CHECKPOINTING = ("none", "full", "every-N")
+# What the planner models: 'selective' (attention scores recomputed) is what 'none' already keeps under flash
+# attention, which the trainer uses, so the planner lists 'none' and 'full' for runs and 'selective' for reference.
+PLANNED_ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 AUX_LOSS_TYPES = ("micro_batch", "sequence", "global_batch")
 SCORE_FUNCS = ("softmax", "sigmoid")
 ATTENTIONS = ("gqa", "mla")

@@ -6,13 +6,14 @@ import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from moeflow.core.choices import PLANNED_ACTIVATION_CHECKPOINTING
 from moeflow.core.hardware import GPU
 from moeflow.core.model_config import ModelConfig
 from moeflow.core.parallel_dims import SIZE_KEYS, ParallelDims
 from moeflow.core.schedules import SCHEDULES
 from moeflow.plan.compute import KERNEL_EFFICIENCY
 
-AC_MODES = ("none", "selective", "full")
+AC_MODES = PLANNED_ACTIVATION_CHECKPOINTING
 
 
 class ModelStats:
