@@ -86,6 +86,13 @@ class ModelAdapter:
     def has_moe(self) -> bool:
         return any(isinstance(m, MoE) for m in self.model.modules())
 
+    @property
+    def has_hf_experts(self) -> bool:
+        """Experts modules of transformers' experts interface (expert parallelism: moeflow/parallel/hf_experts.py)."""
+        from moeflow.parallel.hf_experts import hf_experts_modules
+
+        return bool(hf_experts_modules(self.model))
+
     def blocks(self) -> dict[str, nn.Module]:
         """{layer key: transformer block}, the units FSDP, activation checkpointing and torch.compile take."""
         raise NotImplementedError
@@ -132,8 +139,8 @@ class MoeflowAdapter(ModelAdapter):
 
 class HuggingFaceAdapter(ModelAdapter):
     """A transformers decoder LM (`*ForCausalLM` with model.embed_tokens / model.layers / model.norm): FSDP2,
-    expert parallelism once its sparse blocks are moeflow MoE layers (moeflow.models.hf_live), tensor parallelism
-    by the same plan under its module names."""
+    expert parallelism of transformers' own experts modules (moeflow/parallel/hf_experts.py) or of moeflow MoE
+    layers swapped in (moeflow.models.hf_live), tensor parallelism by the same plan under its module names."""
 
     family = "huggingface"
     names = HF_NAMES
@@ -153,9 +160,13 @@ class HuggingFaceAdapter(ModelAdapter):
     def check(self, dims: ParallelDims) -> None:
         super().check(dims)
         name = type(self.model).__name__
-        if dims.ep > 1 and not self.has_moe:
-            raise ValueError(f"parallel.ep = {dims.ep} but {name} has no moeflow MoE layer; for a Hugging Face "
-                             f"MoE model call moeflow.models.hf_live.replace_sparse_moe_blocks(model) first")
+        if dims.ep > 1 and not (self.has_moe or self.has_hf_experts):
+            raise ValueError(f"parallel.ep = {dims.ep} but {name} has no experts module (neither transformers' "
+                             f"experts interface nor a moeflow MoE layer); use ep = 1")
+        if dims.ep > 1 and dims.tp > 1 and self.has_hf_experts and not self.has_moe:
+            raise ValueError(f"parallel.ep = {dims.ep} with parallel.tp = {dims.tp} for {name}'s own experts "
+                             f"modules is not supported yet; use tp = 1, or replace its sparse blocks with moeflow's "
+                             f"(moeflow.models.hf_live.replace_sparse_moe_blocks)")
         if dims.tp > 1:
             self.check_tp_widths(dims.tp)
 

@@ -171,6 +171,16 @@ class _DeferredSync:
         return super().forward(*hidden.args)
 
 
+_DEFERRED_SYNC: dict[type, type] = {}
+
+
+def deferred_sync_class(cls: type) -> type:
+    """`cls` reduced after backward (see _DeferredSync), for an experts module of another family (transformers')."""
+    if cls not in _DEFERRED_SYNC:
+        _DEFERRED_SYNC[cls] = type(f"DeferredSync{cls.__name__}", (_DeferredSync, cls), {})
+    return _DEFERRED_SYNC[cls]
+
+
 class DeferredSyncExperts(_DeferredSync, GroupedExperts):
     """GroupedExperts reduced after backward (see _DeferredSync): the routed experts, whose backward runs between
     EP's all-to-alls."""

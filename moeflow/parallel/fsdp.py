@@ -23,7 +23,13 @@ from torch.distributed.tensor import Shard
 
 from moeflow.core.parallel_dims import ParallelDims
 from moeflow.models.moe import GroupedExperts, MoE, Router
-from moeflow.parallel.expert import DeferredSyncExperts, DeferredSyncSharedExperts, ExpertParallelDispatcher
+from moeflow.parallel.expert import (
+    DeferredSyncExperts,
+    DeferredSyncSharedExperts,
+    ExpertParallelDispatcher,
+    deferred_sync_class,
+)
+from moeflow.parallel.hf_experts import is_expert_parallel_hf
 from moeflow.parallel.mesh import folded_moe_mesh, submesh
 
 
@@ -44,7 +50,12 @@ def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: Para
                 _shard_folded_shared_experts(moe, dims, mesh, matmul)
             if isinstance(moe.dispatcher, ExpertParallelDispatcher):  # else sharded with their block
                 # called once per chunk: in bf16 their gradient would add up in bf16 across the chunks
-                _shard_experts(moe, dims, mesh, matmul if moe.dispatcher.num_chunks == 1 else fsdp)
+                chunks = moe.dispatcher.num_chunks
+                _shard_experts(moe.experts, DeferredSyncExperts, chunks, dims, mesh, matmul if chunks == 1 else fsdp)
+        for experts in (m for m in block.modules() if is_expert_parallel_hf(m)):
+            # transformers' experts modules, expert-parallel through moeflow/parallel/hf_experts.py: gathered in
+            # fp32 (their grouped matmuls take the input's dtype)
+            _shard_experts(experts, deferred_sync_class(type(experts)), 1, dims, mesh, fsdp)
         _shard_matmul_weights(block, dp_mesh, place, matmul, matmul_dtype)
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=place, **fsdp)
     # Each stage root gathers its embedding / norm / head; the container of several stages is not run.
@@ -72,18 +83,18 @@ def _autocast_matmuls(module: nn.Module):
             yield from _autocast_matmuls(child)
 
 
-def _shard_experts(moe: MoE, dims: ParallelDims, mesh, fsdp: dict) -> None:
+def _shard_experts(experts: nn.Module, deferred_class: type, chunks: int, dims: ParallelDims, mesh,
+                   fsdp: dict) -> None:
     """The routed experts of an expert-parallel MoE, over what EP leaves of the data-parallel ranks."""
     expert_mesh = submesh(mesh, "dp_replicate", "efsdp") if dims.dp_replicate > 1 else submesh(mesh, "efsdp")
-    experts = moe.experts
-    if dims.efsdp > 1 or dims.dp_replicate > 1 or moe.dispatcher.num_chunks > 1:
+    if dims.efsdp > 1 or dims.dp_replicate > 1 or chunks > 1:
         # Reduce the experts after backward, at the same point on every rank, instead of mid-backward
         # (see DeferredSyncExperts): FSDP's expert reduce-scatter / replica all-reduce and EP's all-to-alls
         # run on different groups, and ranks that issue them in different orders deadlock (seen on gloo,
         # whose collectives block; NCCL kernels of different communicators wait on each other the same
         # way). On every device, so the path the tests run is the one GPUs run. Chunked layers call the
         # experts once per chunk: one reduction after backward rather than one per call.
-        experts.__class__ = DeferredSyncExperts
+        experts.__class__ = deferred_class
     fully_shard(experts, mesh=expert_mesh, shard_placement_fn=balanced_shard(expert_mesh.size()), **fsdp)
     # FSDP averages over the expert mesh (dp x cp / ep ranks), but each expert's gradient sums the tokens
     # of all dp x cp ranks (they arrive through the EP group): divide by dp x cp instead.

@@ -34,6 +34,11 @@ def is_hf_experts(module: nn.Module) -> bool:
     return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
 
 
+def is_expert_parallel_hf(module: nn.Module) -> bool:
+    """An experts module apply_hf_expert_parallel changed."""
+    return module in _EXPERT_PARALLEL
+
+
 def hf_experts_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if is_hf_experts(m)]
 

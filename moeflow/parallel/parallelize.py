@@ -91,13 +91,17 @@ def split_pipeline(b: _Build) -> None:
 def expert_parallel(b: _Build) -> None:
     """Each MoE keeps E/ep experts and swaps its dispatcher for a token mover. Before TP, whose plan hooks the MoE
     module itself, and before FSDP, which shards the local experts over what EP leaves of the data-parallel ranks."""
-    if b.dims.expert_parallel > 1 and b.adapter.has_moe:
+    if b.dims.expert_parallel > 1:
         from moeflow.parallel.expert import apply_expert_parallel
+        from moeflow.parallel.hf_experts import apply_hf_expert_parallel
         from moeflow.parallel.mesh import expert_mesh
 
-        o = b.options
-        apply_expert_parallel(b.model, expert_mesh(b.state.mesh, b.dims).get_group(), backend=o.ep_backend,
-                              chunks=o.ep_chunks, overlap=o.ep_overlap, num_worst_tokens=o.ep_num_worst_tokens)
+        o, group = b.options, expert_mesh(b.state.mesh, b.dims).get_group()
+        if b.adapter.has_moe:
+            apply_expert_parallel(b.model, group, backend=o.ep_backend, chunks=o.ep_chunks, overlap=o.ep_overlap,
+                                  num_worst_tokens=o.ep_num_worst_tokens)
+        elif b.adapter.has_hf_experts:  # transformers' own experts modules (moeflow/parallel/hf_experts.py)
+            apply_hf_expert_parallel(b.model, group, backend=o.ep_backend)
 
 
 def tensor_parallel(b: _Build) -> None:

@@ -62,6 +62,52 @@ def case_matches_one_process(arch: str) -> None:
             assert_same_up_to_order(p.grad, q.grad, REDUCTION, name)
 
 
+def case_parallelize_trains_as_one_process(arch: str, zero: int, steps: int = 2) -> None:
+    """moeflow.parallelize(ep=2, ZeRO) on the model object: FSDP2 shards the replicated weights over the two
+    ranks, each keeps its experts; losses, the global gradient norm and every parameter after AdamW steps equal one
+    process on the whole batch."""
+    import moeflow
+    from moeflow.parallel.grads import clip_grad_norm_
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_config(arch)).float()
+    randomize(ref, seed=1)
+    state = moeflow.parallelize(copy.deepcopy(ref), moeflow.ParallelDims(world, ep=world, zero=zero))
+    par = state.model
+    ids = torch.randint(0, V, (world, S + 1))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    loss_of = lambda m, rows: torch.nn.functional.cross_entropy(m(inputs[rows]).logits.flatten(0, 1),
+                                                              targets[rows].flatten())
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    opt_par = torch.optim.AdamW(par.parameters(), lr=1e-3, weight_decay=0.1)
+    for step in range(steps):
+        ref_loss = loss_of(ref, slice(0, world))
+        ref_loss.backward()
+        par_loss = loss_of(par, slice(rank, rank + 1))
+        par_loss.backward()
+        mean = par_loss.detach().clone()
+        dist.all_reduce(mean)
+        torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=0, msg=f"loss at {step}")
+        want = torch.stack([p.grad.pow(2).sum() for p in ref.parameters()]).sum().sqrt()
+        torch.testing.assert_close(clip_grad_norm_(par, float("inf"), state), want, rtol=1e-5, atol=0,
+                                   msg=f"grad norm at {step}")
+        for opt in (opt_ref, opt_par):
+            opt.step()
+            opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    for name, p in par.named_parameters():
+        got = p.full_tensor() if hasattr(p, "full_tensor") else p
+        want = ref_params[name]
+        if name.rsplit(".", 1)[-1] in EXPERT_TENSORS:
+            L = want.shape[0] // world
+            want = want[rank * L:(rank + 1) * L]
+        # norm-wise, as every whole-run comparison (docs/design.md, Tolerances): AdamW's g / sqrt(v) turns a
+        # near-zero gradient element's rounding into a whole lr-sized step either way
+        err = float((got.detach() - want.detach()).norm() / want.detach().norm())
+        assert err <= 1e-5, f"{name} after {steps} steps: relative error {err:.3g}"
+
+
 def case_experts_that_do_not_split_are_refused() -> None:
     cfg = transformers.Qwen3MoeConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=3,
@@ -83,5 +129,9 @@ def test_hf_experts_under_ep2_equal_one_process():
     cases = [("qwen3_moe", case_matches_one_process, dict(arch="qwen3_moe")),
              ("gpt_oss", case_matches_one_process, dict(arch="gpt_oss")),
              ("mixtral", case_matches_one_process, dict(arch="mixtral")),
+             ("parallelize gpt_oss ep=2 zero=3", case_parallelize_trains_as_one_process, dict(arch="gpt_oss", zero=3)),
+             # not qwen3_moe's tiny config: its one expert per token with normalised weights gives the router a
+             # zero gradient, whose rounding noise AdamW turns into lr-sized steps either way
+             ("parallelize mixtral ep=2 zero=1", case_parallelize_trains_as_one_process, dict(arch="mixtral", zero=1)),
              ("3 experts over 2 ranks refused", case_experts_that_do_not_split_are_refused, {})]
     check_results(launch(2, cases, _run), cases)
