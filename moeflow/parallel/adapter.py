@@ -163,6 +163,13 @@ class HuggingFaceAdapter(ModelAdapter):
         if dims.ep > 1 and not (self.has_moe or self.has_hf_experts):
             raise ValueError(f"parallel.ep = {dims.ep} but {name} has no experts module (neither transformers' "
                              f"experts interface nor a moeflow MoE layer); use ep = 1")
+        if dims.ep > 1 and self.has_hf_experts and not self.has_moe:
+            from moeflow.parallel.hf_experts import hf_experts_modules
+
+            counts = sorted({m.num_experts for m in hf_experts_modules(self.model) if m.num_experts % dims.ep})
+            if counts:
+                raise ValueError(f"parallel.ep = {dims.ep} does not divide the {counts[0]} experts of {name}; "
+                                 f"choose an ep that divides {counts[0]}")
         if dims.ep > 1 and dims.tp > 1 and self.has_hf_experts and not self.has_moe:
             raise ValueError(f"parallel.ep = {dims.ep} with parallel.tp = {dims.tp} for {name}'s own experts "
                              f"modules is not supported yet; use tp = 1, or replace its sparse blocks with moeflow's "

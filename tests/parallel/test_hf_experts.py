@@ -116,6 +116,11 @@ def case_experts_that_do_not_split_are_refused() -> None:
     before = [p.shape for p in model.parameters()]
     with pytest.raises(ValueError, match=r"parallel.ep = 2 does not divide the 3 experts of Qwen3MoeExperts"):
         apply_hf_expert_parallel(model)
+    # and through parallelize, by the adapter's check before anything is wrapped
+    import moeflow
+
+    with pytest.raises(ValueError, match=r"parallel.ep = 2 does not divide the 3 experts of Qwen3MoeForCausalLM"):
+        moeflow.parallelize(model, moeflow.ParallelDims(2, ep=2))
     assert [p.shape for p in model.parameters()] == before  # nothing changed
 
 
