@@ -239,6 +239,10 @@ class JobConfig:
             unaligned = grouped_mm_alignment_error(self.model.dim, self.model.moe.ffn_dim, itemsize, name)
             if unaligned:
                 raise ValueError(unaligned)
+        if t.fp8 != "none" and self.model.runs_transformers:
+            raise ValueError(f"training.fp8 = {t.fp8!r} for {self.model.hf_path} on transformers' own modules is "
+                             f"not supported yet; use training.fp8 = 'none', or model.hf_impl = 'native' where moeflow "
+                             f"maps the architecture")
         if t.fp8 != "none":
             self._validate_fp8()
         ac = t.activation_checkpointing

@@ -94,6 +94,8 @@ def moeflow_to_hf(src: str | Path, dst: str | Path, *, config: str | None = None
     if not config_path.is_file():
         raise ValueError(f"{config_path} does not exist; pass the run's config.toml with --config")
     cfg = load_config(config_path).model
+    if cfg.runs_transformers:
+        return _transformers_to_hf(checkpoint, cfg, Path(dst), architecture, dtype, max_shard_bytes)
     original: dict = {}
     origin = run_dir  # where the tokenizer and the source config.json are
     if (run_dir / "hf_config.json").is_file():
@@ -107,6 +109,27 @@ def moeflow_to_hf(src: str | Path, dst: str | Path, *, config: str | None = None
     dst = Path(dst)
     save_pretrained(model, cfg, dst, architecture=architecture, dtype=getattr(torch, DTYPES[dtype]),
                     max_shard_bytes=max_shard_bytes, extra_config=kept_fields(original))
+    copy_side_files(origin, dst)
+    return dst
+
+
+def _transformers_to_hf(checkpoint: Path, cfg, dst: Path, architecture: str | None, dtype: str,
+                        max_shard_bytes: int) -> Path:
+    """A run on transformers' own modules: its weights written by transformers' save_pretrained, in the
+    architecture (and on-disk tensor format) of the folder it started from."""
+    import torch
+
+    from moeflow.models import hf_transformers
+    from moeflow.models.hf import copy_side_files
+
+    origin = Path(cfg.hf_path)
+    named = (hf_transformers.read_config(origin).get("architectures") or [None])[0]
+    if architecture and architecture != named:
+        raise ValueError(f"--architecture {architecture}: this run trained transformers' {named} (from {origin}) "
+                         f"and exports as that architecture only; drop --architecture")
+    model = hf_transformers.load(origin)
+    _load_model_state(checkpoint, model)
+    model.to(getattr(torch, DTYPES[dtype])).save_pretrained(dst, max_shard_size=max_shard_bytes)
     copy_side_files(origin, dst)
     return dst
 

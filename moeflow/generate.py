@@ -33,9 +33,16 @@ def load_model(run_dir: str | None = None, hf_path: str | None = None, dtype: st
     torch_dtype = getattr(torch, DTYPES[dtype])
     if bool(run_dir) == bool(hf_path):
         raise ValueError("give exactly one of --run-dir (a moeflow run) or --hf-path (a Hugging Face folder)")
-    if hf_path:
-        from moeflow.models.hf import from_pretrained
+    from moeflow.models import hf_transformers
 
+    if hf_path:
+        from moeflow.core.model_config import ModelConfig
+        from moeflow.models.hf import from_pretrained, training_config
+
+        cfg = training_config(ModelConfig(hf_path=str(hf_path)))  # the architecture decides the implementation
+        if cfg.runs_transformers:
+            model = hf_transformers.load(hf_path, device).to(torch_dtype)
+            return hf_transformers.GenerationModel(model, cfg).eval(), cfg, Path(hf_path), eos_ids(Path(hf_path))
         model, cfg = from_pretrained(hf_path, dtype=torch_dtype, device=device)
         return model.eval(), cfg, Path(hf_path), eos_ids(Path(hf_path))
     from moeflow.config import load_config
@@ -47,6 +54,12 @@ def load_model(run_dir: str | None = None, hf_path: str | None = None, dtype: st
         raise ValueError(f"{run} has no config.toml; pass a run directory written by moeflow train or convert")
     job = load_config(run / "config.toml")
     cfg, origin = job.model, run
+    if cfg.runs_transformers:  # transformers' own model, with the run's weights
+        origin = Path(cfg.hf_path)
+        model = hf_transformers.load(origin, device)
+        _load_model_state(checkpoint, model)
+        model = hf_transformers.GenerationModel(model.to(torch_dtype), cfg)
+        return model.eval(), cfg, tokenizer_folder(job, run, origin), eos_ids(origin) or eos_ids(run)
     if cfg.hf_path:  # a run that started from a Hugging Face folder trained that folder's architecture
         _, cfg = read_hf_config(cfg.hf_path)
         origin = Path(cfg.hf_path)

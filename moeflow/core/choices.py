@@ -31,6 +31,8 @@ DROP_POLICIES = ("position", "probs")
 ROPE_SCALINGS = ("none", "llama3", "yarn")
 LOAD_BALANCE = ("aux_free", "none")
 EXPERT_IMPLS = ("auto", "grouped_mm", "bmm", "loop")
+# model.hf_impl: which code runs a Hugging Face folder (moeflow/models/hf_transformers.py)
+HF_IMPLS = ("auto", "native", "transformers")
 TRAINING_DTYPES = ("fp32", "bf16")
 ON_NONFINITE = ("stop", "skip")
 DEVICES = ("auto", "cpu", "cuda")
@@ -46,6 +48,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "model.moe.score_func": SCORE_FUNCS,
     "model.moe.load_balance": LOAD_BALANCE,
     "model.moe.expert_impl": EXPERT_IMPLS,
+    "model.hf_impl": HF_IMPLS,
     "model.moe.aux_loss_type": AUX_LOSS_TYPES,
     "model.moe.drop_policy": DROP_POLICIES,
     "training.dtype": TRAINING_DTYPES,

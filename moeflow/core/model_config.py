@@ -164,6 +164,10 @@ class ModelConfig:
     hf_path: str = ""
     """Load the architecture and weights from this Hugging Face folder (config.json + *.safetensors); its
     architecture replaces the model.* settings, which keep only the training knobs (expert_impl, losses, ...)."""
+    hf_impl: str = "auto"
+    """Which code runs model.hf_path: 'native' (moeflow's own model, for the architectures it maps exactly: the
+    fast path), 'transformers' (transformers' own modules for any decoder LM, experts through moeflow.ep), or
+    'auto' (native where the architecture maps, else transformers)."""
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -173,6 +177,12 @@ class ModelConfig:
     @property
     def hd(self) -> int:
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def runs_transformers(self) -> bool:
+        """The model is transformers' own (model.hf_impl resolved to 'transformers'); this config describes its
+        shapes (sizes, FLOPs) and builds nothing."""
+        return bool(self.hf_path) and self.hf_impl == "transformers"
 
     @property
     def is_moe(self) -> bool:
@@ -192,6 +202,7 @@ class ModelConfig:
 
         check_choice("model.attention", self.attention, SETTINGS["model.attention"])
         check_choice("model.qk_norm", self.qk_norm, SETTINGS["model.qk_norm"])
+        check_choice("model.hf_impl", self.hf_impl, SETTINGS["model.hf_impl"])
         self._validate_rope_scaling()
         for key in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
             if getattr(self, key) <= 0:

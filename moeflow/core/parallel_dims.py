@@ -120,6 +120,8 @@ class ParallelDims:
     # ---- rules against the model and the batch ---------------------------------------------------------
     def check_model(self, cfg: ModelConfig) -> None:
         """The sizes against a moeflow model config (a Hugging Face model object is checked by parallelize)."""
+        if cfg.runs_transformers:
+            self._check_transformers_model(cfg)
         if self.ep > 1 and not cfg.is_moe:
             raise ValueError(f"parallel.ep = {self.ep} needs an MoE model; model {cfg.name!r} is dense")
         if cfg.is_moe and cfg.moe.num_experts % self.expert_parallel:
@@ -165,6 +167,19 @@ class ParallelDims:
         if cfg.mtp_depth and self.cp > 1:
             raise ValueError(f"model.mtp_depth = {cfg.mtp_depth} with parallel.cp = {self.cp} is not supported yet "
                              f"(multi-token prediction shifts whole sequences, which cp splits); use cp = 1")
+
+    def _check_transformers_model(self, cfg: ModelConfig) -> None:
+        """What transformers' own modules (model.hf_impl = 'transformers') cannot take yet, named before any rank
+        starts (parallelize's adapter checks the same of a model object)."""
+        instead = ("model.hf_impl = 'native' where moeflow maps the architecture (core/hf_arch.py), or use ep and "
+                   "data parallelism")
+        for name, size, what in (("pp", self.pp, "pipeline"), ("cp", self.cp, "context")):
+            if size > 1:
+                raise ValueError(f"parallel.{name} = {size} for {cfg.hf_path} on transformers' own modules: {what} "
+                                 f"parallelism needs moeflow's model; use {instead}")
+        if self.tp > 1 and cfg.is_moe:
+            raise ValueError(f"parallel.tp = {self.tp} for {cfg.hf_path} on transformers' own modules: tensor "
+                             f"parallelism of its experts modules is not supported yet; use {instead}")
 
     def _check_tp_widths(self, cfg: ModelConfig) -> None:
         """tp divides the widths tensor parallelism shards: heads, kv heads and the dense FFN width (MoE layers

@@ -57,6 +57,19 @@ KEPT_HF_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "sliding_windo
 def read_hf_config(path: str | Path) -> tuple[dict, ModelConfig]:
     """(config.json as a dict, the moeflow ModelConfig that computes the same model)."""
     folder = Path(path)
+    hf = _config_json(folder)
+    cfg = config_from_hf(hf)
+    cfg.hf_path = str(folder)
+    if cfg.mtp_depth and not _holds_mtp_layers(folder, hf):
+        # transformers' own save_pretrained writes DeepSeek-V3 configs with num_nextn_predict_layers = 1 and no MTP
+        # tensors: such a checkpoint is the main model only.
+        cfg.mtp_depth = 0
+    return hf, cfg
+
+
+def _config_json(path: str | Path) -> dict:
+    """A Hugging Face folder's config.json, or a ValueError saying what the folder lacks."""
+    folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"Hugging Face folder {str(folder)!r} does not exist; pass the folder holding config.json")
     config_file = folder / "config.json"
@@ -69,13 +82,7 @@ def read_hf_config(path: str | Path) -> tuple[dict, ModelConfig]:
         hf = json.loads(config_file.read_text())
     except ValueError as e:
         raise ValueError(f"{config_file} is not valid JSON ({e})") from None
-    cfg = config_from_hf(hf)
-    cfg.hf_path = str(folder)
-    if cfg.mtp_depth and not _holds_mtp_layers(folder, hf):
-        # transformers' own save_pretrained writes DeepSeek-V3 configs with num_nextn_predict_layers = 1 and no MTP
-        # tensors: such a checkpoint is the main model only.
-        cfg.mtp_depth = 0
-    return hf, cfg
+    return hf
 
 
 def _holds_mtp_layers(folder: Path, hf: dict) -> bool:
@@ -105,8 +112,18 @@ def from_pretrained(
 
 def training_config(cfg: ModelConfig) -> ModelConfig:
     """The model config a run with model.hf_path trains: the folder's architecture, cfg's training knobs,
-    hf_path kept (config.json only; no weights are read)."""
+    hf_path kept (config.json only; no weights are read). With model.hf_impl resolving to 'transformers'
+    (moeflow/models/hf_transformers.py) it describes transformers' model instead."""
+    from moeflow.models import hf_transformers
+
+    hf = _config_json(cfg.hf_path)
+    if hf_transformers.resolve_impl(cfg, hf) == "transformers":
+        weight_files(Path(cfg.hf_path))  # a missing shard is named here, before any process starts
+        described = hf_transformers.describe(hf, cfg.hf_path)
+        described.moe.expert_impl = cfg.moe.expert_impl
+        return described.validate()
     _, loaded = read_hf_config(cfg.hf_path)
+    loaded.hf_impl = "native"
     _keep_training_knobs(cfg, loaded)
     loaded.hf_path = cfg.hf_path
     return loaded.validate()

@@ -97,17 +97,23 @@ class ModelAdapter:
         """{layer key: transformer block}, the units FSDP, activation checkpointing and torch.compile take."""
         raise NotImplementedError
 
+    @staticmethod
+    def logits(model: nn.Module, inputs, **model_kwargs):
+        """The forward the step runner calls: tokens [B, S] (and positions, document ids) -> logits [B, S, V]."""
+        return model(inputs, **model_kwargs)
+
     def check(self, dims: ParallelDims) -> None:
         """ValueError (one line naming the setting, the value and what works) for sizes this model cannot take."""
         name = type(self.model).__name__
         if dims.pp > 1 and not self.supports_pp:
             raise ValueError(f"parallel.pp = {dims.pp} for a {name}: pipeline parallelism is supported for moeflow "
-                             f"models only yet (load the checkpoint with moeflow.models.hf.from_pretrained to get "
-                             f"one); use tp, ep and data parallelism, or pp = 1")
+                             f"models only yet (model.hf_impl = 'native' where moeflow maps the architecture, or "
+                             f"moeflow.models.hf.from_pretrained); use ep and data parallelism, or pp = 1")
         if dims.cp > 1 and not self.supports_cp:
             raise ValueError(f"parallel.cp = {dims.cp} for a {name}: context parallelism swaps the core of "
-                             f"moeflow's attention modules and is supported for moeflow models only yet (load the "
-                             f"checkpoint with moeflow.models.hf.from_pretrained to get one); use cp = 1")
+                             f"moeflow's attention modules and is supported for moeflow models only yet "
+                             f"(model.hf_impl = 'native' where moeflow maps the architecture, or "
+                             f"moeflow.models.hf.from_pretrained); use cp = 1")
         if dims.tp > 1 and self.is_mla:
             raise ValueError(MLA_TP_UNSUPPORTED)
 
@@ -157,6 +163,12 @@ class HuggingFaceAdapter(ModelAdapter):
     def blocks(self) -> dict[str, nn.Module]:
         return {str(i): block for i, block in enumerate(self.model.model.layers)}
 
+    @staticmethod
+    def logits(model: nn.Module, inputs, **model_kwargs):
+        from moeflow.models.hf_transformers import logits
+
+        return logits(model, inputs, **model_kwargs)
+
     def check(self, dims: ParallelDims) -> None:
         super().check(dims)
         name = type(self.model).__name__
@@ -170,10 +182,10 @@ class HuggingFaceAdapter(ModelAdapter):
             if counts:
                 raise ValueError(f"parallel.ep = {dims.ep} does not divide the {counts[0]} experts of {name}; "
                                  f"choose an ep that divides {counts[0]}")
-        if dims.ep > 1 and dims.tp > 1 and self.has_hf_experts and not self.has_moe:
-            raise ValueError(f"parallel.ep = {dims.ep} with parallel.tp = {dims.tp} for {name}'s own experts "
-                             f"modules is not supported yet; use tp = 1, or replace its sparse blocks with moeflow's "
-                             f"(moeflow.models.hf_live.replace_sparse_moe_blocks)")
+        if dims.tp > 1 and self.has_hf_experts and not self.has_moe:
+            raise ValueError(f"parallel.tp = {dims.tp} for {name}'s own experts modules is not supported yet; use "
+                             f"tp = 1 with ep and data parallelism, or moeflow's model where it maps the architecture "
+                             f"(model.hf_impl = 'native', or moeflow.models.hf_live.replace_sparse_moe_blocks)")
         if dims.tp > 1:
             self.check_tp_widths(dims.tp)
 

@@ -25,8 +25,9 @@ from moeflow.ep.buffer import Buffer
 EXPERTS_IMPLEMENTATION = "moeflow_ep"
 EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 
-# experts module -> (its Buffer, E): kept beside the module, which gains no attribute
-_EXPERT_PARALLEL: weakref.WeakKeyDictionary[nn.Module, tuple[Buffer, int]] = weakref.WeakKeyDictionary()
+# experts module -> (its Buffer, E, first global expert held here): kept beside the module, which gains no
+# attribute
+_EXPERT_PARALLEL: weakref.WeakKeyDictionary[nn.Module, tuple[Buffer, int, int]] = weakref.WeakKeyDictionary()
 
 
 def is_hf_experts(module: nn.Module) -> bool:
@@ -41,6 +42,19 @@ def is_expert_parallel_hf(module: nn.Module) -> bool:
 
 def hf_experts_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if is_hf_experts(m)]
+
+
+def hf_expert_slices(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """{fqn of an expert tensor: (first global expert id held here, experts held here)} of every transformers
+    experts module (the checkpoint stores experts one per key, so that it reshards over ep)."""
+    out = {}
+    for name, module in model.named_modules():
+        if is_hf_experts(module):
+            first = _EXPERT_PARALLEL[module][2] if module in _EXPERT_PARALLEL else 0
+            for tensor in EXPERT_TENSORS:
+                if isinstance(getattr(module, tensor, None), nn.Parameter):
+                    out[f"{name}.{tensor}"] = (first, module.num_experts)
+    return out
 
 
 def apply_hf_expert_parallel(model: nn.Module, group=None, backend: str = "auto") -> int:
@@ -73,7 +87,7 @@ def apply_hf_expert_parallel(model: nn.Module, group=None, backend: str = "auto"
         module.num_experts = L
         module._is_expert_parallel = True
         module.config._experts_implementation = EXPERTS_IMPLEMENTATION
-        _EXPERT_PARALLEL[module] = (buffer, E)
+        _EXPERT_PARALLEL[module] = (buffer, E, r * L)
     return len(modules)
 
 
@@ -83,7 +97,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     transformers' own functions (sum over k of top_k_weights[:, k] * expert_k(token))."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    buffer, E = _EXPERT_PARALLEL[self]
+    buffer, E, _ = _EXPERT_PARALLEL[self]
     per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(top_k_index, E)
     # Buffer takes float32 weights (DeepEP's format); back to the router's dtype on arrival
     recv_x_ND, recv_idx_NK, recv_w_NK, _, handle, _ = buffer.dispatch(

@@ -191,7 +191,7 @@ def runner(b: _Build) -> None:
         # pipeline stages do the same by themselves (torch's PipelineStage).
         b.state.runner = LocalRunner(b.model, loss_fn, o.microbatches, o.autocast(), keep_gathered=dims.zero == 1,
                                      balance_groups=_balance_groups(b), count_first=count_first,
-                                     token_scale=b.token_scale, folded_tp=folded_tp)
+                                     token_scale=b.token_scale, folded_tp=folded_tp, forward=b.adapter.logits)
         return
     from moeflow.parallel.mesh import submesh
     from moeflow.parallel.pipeline import build_schedule

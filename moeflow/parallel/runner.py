@@ -128,8 +128,11 @@ class LocalRunner:
     def __init__(self, model: nn.Module, loss_fn: Callable, microbatches: int = 1,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  keep_gathered: bool = False, balance_groups=(), count_first: bool = False,
-                 token_scale: Callable[[torch.Tensor], torch.Tensor] = local_token_scale, folded_tp: int = 1):
+                 token_scale: Callable[[torch.Tensor], torch.Tensor] = local_token_scale, folded_tp: int = 1,
+                 forward: Callable[..., torch.Tensor] | None = None):
         self.model, self.loss_fn, self.microbatches, self.autocast = model, loss_fn, microbatches, autocast
+        # model, inputs, **model_kwargs -> logits (the adapter's: a transformers model returns an output object)
+        self.forward = forward or (lambda model, inputs, **kwargs: model(inputs, **kwargs))
         self.keep_gathered = keep_gathered  # ZeRO-1: FSDP2 reshards only after the last micro-batch
         self.token_scale = token_scale  # the loss scale when the caller passes none
         self.routers = router_layers([model]) if hasattr(model, "layers") else {}
@@ -166,7 +169,7 @@ class LocalRunner:
                 rows = slice(m * rows_per, (m + 1) * rows_per)
                 self._set_grad_sync(m == n - 1)
                 with self.autocast():
-                    logits = self.model(inputs[rows], **{k: v[rows] for k, v in model_kwargs.items()})
+                    logits = self.forward(self.model, inputs[rows], **{k: v[rows] for k, v in model_kwargs.items()})
                 loss = self.loss_fn(logits, targets[rows], reduction="sum") * scale
                 if self.balanced and not self.count_first:  # between this forward and its backward
                     supply_global_selections(self.balanced, {i: r.last_selected for i, r in self.balanced.items()},
@@ -189,14 +192,14 @@ class LocalRunner:
         for m in range(self.microbatches):
             rows = slice(m * rows_per, (m + 1) * rows_per)
             with self.autocast():
-                self.model(inputs[rows], **{k: v[rows] for k, v in model_kwargs.items()})
+                self.forward(self.model, inputs[rows], **{k: v[rows] for k, v in model_kwargs.items()})
             counts = {i: counts[i] + r.last_selected for i, r in self.balanced.items()}
         return counts
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs) -> torch.Tensor:
         with self.autocast():
-            logits = self.model(inputs, **model_kwargs)
+            logits = self.forward(self.model, inputs, **model_kwargs)
         return (self.loss_fn(logits, targets, reduction="sum") * self.token_scale(targets)).float()
 
     def router_loads(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -58,8 +58,13 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
     rank, then parallelized. On the meta device (dry runs) nothing is allocated or initialised."""
     t = cfg.training
     # Under any layout, Hugging Face weights go straight into each rank's shards (moeflow/train/hf_sharded.py).
-    owned_read = bool(cfg.model.hf_path) and device.type != "meta" and dims.world_size > 1
-    if device.type == "meta" or owned_read:
+    native_hf = bool(cfg.model.hf_path) and not cfg.model.runs_transformers
+    owned_read = native_hf and device.type != "meta" and dims.world_size > 1
+    if cfg.model.runs_transformers:  # transformers' own modules, read whole on every rank, then sharded
+        from moeflow.models import hf_transformers
+
+        model = hf_transformers.load(cfg.model.hf_path, device)
+    elif device.type == "meta" or owned_read:
         with torch.device("meta"):
             model = Transformer(cfg.model)
     elif cfg.model.hf_path:  # Hugging Face weights, read whole on every rank, then sharded

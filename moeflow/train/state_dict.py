@@ -6,9 +6,9 @@ Values are whatever the layout holds - DTensors under FSDP2 / TP, plain tensors 
 (torch.distributed.checkpoint) stores them by global shape, so any other layout can read any region.
 
 Two things DCP cannot reshard on its own, handled here:
-- Experts under expert parallelism: each EP rank holds a different slice [E/ep, ...] under the same
-  name. They are stored one expert per key (`<fqn>.<global expert id>`) under every layout, so a
-  checkpoint from ep=2 loads under ep=4 or ep=1.
+- Experts under expert parallelism (moeflow's GroupedExperts and transformers' experts modules): each EP
+  rank holds a different slice [E/ep, ...] under the same name. They are stored one expert per key
+  (`<fqn>.<global expert id>`) under every layout, so a checkpoint from ep=2 loads under ep=4 or ep=1.
 - Parameters spread over several stage modules (pipeline parallelism) and optimizers that hold only
   a partition of the state (ZeRO-1): both are handled by walking parameters by identity rather than
   asking torch for one module's state dict.
@@ -28,9 +28,11 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")
 def expert_slices(parts: list[nn.Module]) -> dict[str, tuple[int, int]]:
     """{fqn of an expert weight: (first global expert id held here, experts held here)}."""
     from moeflow.models.moe import GroupedExperts
+    from moeflow.parallel.hf_experts import hf_expert_slices
 
     out = {}
     for part in parts:
+        out.update(hf_expert_slices(part))  # transformers' own experts modules (model.hf_impl = 'transformers')
         for name, module in part.named_modules():
             if isinstance(module, GroupedExperts):
                 first = getattr(module, "expert_offset", 0)

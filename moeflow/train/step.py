@@ -25,6 +25,8 @@ def moe_layers(cfg: JobConfig) -> list[int]:
     """Global indices of the MoE layers (MTP blocks after the decoder layers): router statistics are packed by
     these on every rank, so the one all-reduce has the same size whichever layers (pipeline stage) a rank holds."""
     m = cfg.model
+    if m.runs_transformers:  # transformers' routers are its own modules: no moeflow Router to read or update
+        return []
     return [i for i in range(m.n_layers + m.mtp_depth) if m.is_moe_layer(i)]
 
 

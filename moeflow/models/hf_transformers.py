@@ -1,0 +1,179 @@
+"""model.hf_impl = 'transformers': a Hugging Face folder run by transformers' own modules.
+
+moeflow's own model (moeflow.models.hf) computes the architectures core/hf_arch.py maps exactly, and is the fast
+path for them. Every other decoder LM of the installed transformers runs as transformers builds it: attention
+sinks, sliding windows, router biases, clamped SwiGLU, partial RoPE and the like are transformers' code, so the
+math is transformers' by construction. parallelize reaches such a model through its adapter
+(moeflow.parallel.adapter.HuggingFaceAdapter): FSDP2, activation checkpointing, compile, and expert parallelism
+of its experts modules through transformers' experts interface (moeflow.parallel.hf_experts).
+
+The run's ModelConfig then only describes the model (`describe`: widths, layers, experts for the FLOP count, the
+planner and the resume check); it builds nothing.
+
+    resolve_impl(cfg, hf)       -> 'native' | 'transformers' for model.hf_impl (ValueError for what cannot train)
+    describe(hf)                -> the ModelConfig of the model's sizes
+    load(folder, device)        -> transformers' model, fp32 (on the meta device: no weights read)
+    logits(model, inputs, ...)  -> [B, S, V]: the forward the step runner calls
+    GenerationModel(model, cfg) -> the interface moeflow generate / eval call (tokens -> logits, a KV cache)
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moeflow.core.model_config import ModelConfig, MoEConfig
+
+# config.json keys of the same quantity under the names different architectures use, in order of preference
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k")
+_EXPERT_WIDTH = ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size")
+_SHARED = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+
+
+def text_config(hf: dict) -> dict:
+    """The decoder's part of a config.json dict (multimodal configs nest it under text_config)."""
+    return hf.get("text_config") or hf
+
+
+def _first(d: dict, keys: tuple[str, ...], default=0):
+    for key in keys:
+        value = d.get(key)
+        if value:
+            return value[0] if isinstance(value, list) else value
+    return default
+
+
+def causal_lm_refusal(hf: dict) -> str | None:
+    """Why transformers has no causal LM for this config.json (None when it has one)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = hf.get("model_type")
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    named = (hf.get("architectures") or [model_type])[0]
+    kind = "an encoder-decoder model" if hf.get("is_encoder_decoder") else "not a causal language model"
+    return (f"config.json describes {named!r} (model_type {model_type!r}), {kind} in transformers "
+            f"{_transformers_version()}; moeflow trains decoder LMs (a *ForCausalLM)")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def resolve_impl(cfg: ModelConfig, hf: dict) -> str:
+    """model.hf_impl as it will run: 'native' where moeflow maps the architecture exactly (or was told to, which
+    then raises the mapping's own one-line reason), 'transformers' otherwise."""
+    from moeflow.core.hf_arch import config_from_hf
+
+    if cfg.hf_impl == "native":
+        config_from_hf(hf)  # its ValueError names what moeflow's model does not compute
+        return "native"
+    if cfg.hf_impl == "auto":
+        try:
+            config_from_hf(hf)
+            return "native"
+        except ValueError:
+            pass
+    refusal = causal_lm_refusal(hf)
+    if refusal:
+        raise ValueError(refusal)
+    return "transformers"
+
+
+def describe(hf: dict, folder: str = "") -> ModelConfig:
+    """The sizes of the model config.json describes, as a ModelConfig (FLOPs, parameter counts, the planner); the
+    computation is transformers'."""
+    t = text_config(hf)
+    dim, heads = t["hidden_size"], t["num_attention_heads"]
+    experts = int(_first(t, _EXPERTS))
+    moe = MoEConfig(num_experts=0)
+    if experts:
+        dense_first = t.get("first_k_dense_replace") or 0
+        moe = MoEConfig(num_experts=experts, top_k=int(_first(t, _TOP_K, 1)), ffn_dim=int(_first(t, _EXPERT_WIDTH)),
+                        num_shared_experts=int(_first(t, _SHARED) or bool(t.get("shared_expert_intermediate_size"))),
+                        first_k_dense=int(dense_first), n_group=1, topk_group=1)
+        if moe.num_shared_experts:
+            moe.shared_ffn_dim = int(t.get("shared_expert_intermediate_size") or moe.ffn_dim)
+    return ModelConfig(
+        name="custom", vocab_size=t["vocab_size"], dim=dim,
+        n_layers=t["num_hidden_layers"], n_heads=heads, n_kv_heads=t.get("num_key_value_heads") or heads,
+        head_dim=t.get("head_dim") or dim // heads, ffn_dim=int(t.get("intermediate_size") or 4 * dim),
+        max_seq_len=int(t.get("max_position_embeddings") or 4096),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
+        moe=moe, hf_path=folder, hf_impl="transformers")
+
+
+def read_config(folder: str | Path) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())
+
+
+def architecture_of(folder: str | Path) -> str:
+    """config.json's architecture (its first `architectures` entry, else its model_type)."""
+    hf = read_config(folder)
+    return (hf.get("architectures") or [hf.get("model_type", "?")])[0]
+
+
+def load(folder: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    """transformers' own model of `folder` in fp32 (training precision), in train mode. On the meta device the
+    model is built from config.json alone (dry runs). ValueError, in one line, when the weights do not fill the
+    model (a tensor missing, or shaped unlike the config)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # the trainer's bar is the one progress bar
+    device = torch.device(device)
+    if device.type == "meta":
+        config = transformers.AutoConfig.from_pretrained(str(folder))
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch.float32, output_loading_info=True)
+    except (OSError, RuntimeError) as e:  # a missing shard, a size that disagrees with config.json
+        raise ValueError(f"{folder}: transformers cannot load the weights ({str(e).splitlines()[0]})") from None
+    missing = [k for k in info.get("missing_keys", ()) if k not in _tied_names(model)]
+    bad = missing or list(info.get("mismatched_keys", ()))
+    if bad:
+        raise ValueError(f"{folder}: the weights do not match config.json ({len(bad)} tensors missing or of "
+                         f"another shape, e.g. {bad[0]}); is config.json the one the weights were saved with?")
+    return model.to(device).train()
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Parameters that share another's storage (tied embeddings): never in the files, never missing."""
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return set(tied) if model.config.tie_word_embeddings else set()
+
+
+def logits(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None = None,
+           document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, S, V] logits of transformers' model. Packed rows need no document ids: their positions restart at 0 at
+    each document, and transformers' mask builder turns such position ids into block-diagonal causal masks."""
+    del document_ids
+    return model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+
+
+class GenerationModel(nn.Module):
+    """transformers' model behind the interface moeflow generate and eval call: `model(ids, cache=KVCache)`
+    -> logits, and `.cfg`. A moeflow KVCache stands for one transformers DynamicCache, made at its first use."""
+
+    def __init__(self, model: nn.Module, cfg: ModelConfig):
+        super().__init__()
+        self.hf, self.cfg = model, cfg
+        self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def forward(self, ids: torch.Tensor, cache=None, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if cache is None:
+            return logits(self.hf, ids, positions, document_ids)
+        from transformers import DynamicCache
+
+        past = self._caches.setdefault(cache, DynamicCache(config=self.hf.config))
+        return self.hf(input_ids=ids, past_key_values=past, use_cache=True).logits
