@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size}), --max-batches and --seq-len "
                          f"0 or more (got {args.max_batches}, {args.seq_len}); 0 means all batches / the run's length")
     device = choose_device(args.device, 1, "--device")
-    model, cfg, folder, _ = load_model(args.run_dir, args.hf_path, args.dtype, device)
+    model, cfg, folder, _ = load_model(args.run_dir, args.hf_path, args.dtype, device, args.hf_impl)
     job = JobConfig(model=cfg)
     if args.run_dir and (Path(args.run_dir) / "config.toml").is_file():
         from moeflow.config import load_config

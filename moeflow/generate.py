@@ -25,9 +25,11 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # ---- loading ----------------------------------------------------------------------------------------------------
 
 
-def load_model(run_dir: str | None = None, hf_path: str | None = None, dtype: str = "fp32", device: str = "cpu"):
+def load_model(run_dir: str | None = None, hf_path: str | None = None, dtype: str = "fp32", device: str = "cpu",
+               hf_impl: str = "auto"):
     """(model in eval mode, ModelConfig, folder of the tokenizer files or None, eos ids) from a run directory
-    (its newest complete checkpoint, or a checkpoints/step-N folder) or a Hugging Face folder."""
+    (its newest complete checkpoint, or a checkpoints/step-N folder) or a Hugging Face folder (run by the code
+    `hf_impl` chooses: model.hf_impl)."""
     import torch
 
     torch_dtype = getattr(torch, DTYPES[dtype])
@@ -39,7 +41,7 @@ def load_model(run_dir: str | None = None, hf_path: str | None = None, dtype: st
         from moeflow.core.model_config import ModelConfig
         from moeflow.models.hf import from_pretrained, training_config
 
-        cfg = training_config(ModelConfig(hf_path=str(hf_path)))  # the architecture decides the implementation
+        cfg = training_config(ModelConfig(hf_path=str(hf_path), hf_impl=hf_impl))
         if cfg.runs_transformers:
             model = hf_transformers.load(hf_path, device).to(torch_dtype)
             return hf_transformers.GenerationModel(model, cfg).eval(), cfg, Path(hf_path), eos_ids(Path(hf_path))
@@ -216,6 +218,9 @@ def add_model_source(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", help="a moeflow run directory (its newest complete checkpoint) or a step-N folder")
     src.add_argument("--hf-path", help="a Hugging Face model folder (config.json + safetensors)")
+    p.add_argument("--hf-impl", choices=("auto", "native", "transformers"), default="auto",
+                   help="with --hf-path: moeflow's model ('native', where it maps the architecture), transformers' "
+                        "own modules, or 'auto' (native where it maps)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -246,7 +251,7 @@ def main(argv: list[str]) -> int:
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p = {args.top_p}; give a probability mass in (0, 1]")
     device = choose_device(args.device, 1, "--device")
-    model, _, folder, eos = load_model(args.run_dir, args.hf_path, args.dtype, device)
+    model, _, folder, eos = load_model(args.run_dir, args.hf_path, args.dtype, device, args.hf_impl)
     codec = TextCodec(folder)
     prompt = codec.chat(args.chat, args.system) if args.chat is not None else codec.encode(args.prompt)
     streamer = Streamer(codec, prompt, echo=args.prompt is not None)

@@ -54,6 +54,12 @@ ARCHS = {
             **_COMMON, "max_position_embeddings": 4096, "norm_topk_prob": True, "rope_interleave": True,
             "n_shared_experts": 1, "q_lora_rank": 1536, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
             "first_k_dense_replace": 3, "num_nextn_predict_layers": 1}),
+        # GLM-4.5's MoE is DeepSeek-V3's (sigmoid scores, selection bias, shared experts, dense first layers)
+        # under grouped-query attention; moeflow computes it with whole-head RoPE (partial_rotary_factor 1)
+        Arch("Glm4MoeForCausalLM", "glm4_moe", router_bias=True, defaults={
+            **_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "norm_topk_prob": True,
+            "n_shared_experts": 1, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+            "first_k_dense_replace": 1, "use_qk_norm": False, "partial_rotary_factor": 0.5}),
     )
 }
 SUPPORTED = ", ".join(a.class_name for a in ARCHS.values())
@@ -116,7 +122,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
     f.reject("hidden_act", lambda v: v == "silu", "moeflow's FFNs are SwiGLU (silu); no other activation")
     f.reject("mlp_bias", lambda v: not v, "moeflow's FFNs have no biases")
     f.reject("use_sliding_window", lambda v: not v, "moeflow has no sliding-window attention")
-    f.reject("partial_rotary_factor", lambda v: v in (None, 1, 1.0), "moeflow applies RoPE to the whole head")
+    # transformers 5 reads the fraction of each head that RoPE rotates from rope_parameters (a top-level value
+    # is what older configs, or a class default, left beside it)
+    rope_fraction = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", f.get("partial_rotary_factor"))
+    if rope_fraction not in (None, 1, 1.0):
+        raise ValueError(f"config.json ({arch.class_name}) sets partial_rotary_factor = {rope_fraction}: moeflow "
+                         f"applies RoPE to the whole head")
     window = hf.get("sliding_window") if arch.model_type == "mixtral" else None
     if window is not None and window < f.get("max_position_embeddings"):
         raise ValueError(
@@ -214,23 +225,34 @@ def _deepseek_v3(f: _Fields, cfg: ModelConfig) -> None:
     cfg.qk_nope_head_dim, cfg.qk_rope_head_dim = f.need("qk_nope_head_dim"), f.need("qk_rope_head_dim")
     cfg.rope_interleave = bool(f.get("rope_interleave"))
     cfg.latent_norm_eps = DEEPSEEK_LATENT_EPS
-    top_k, norm = f.need("num_experts_per_tok"), bool(f.get("norm_topk_prob"))
-    cfg.moe = MoEConfig(
-        num_experts=f.need("n_routed_experts"), top_k=top_k, ffn_dim=f.need("moe_intermediate_size"),
-        num_shared_experts=f.get("n_shared_experts") or 0, first_k_dense=f.get("first_k_dense_replace"),
-        score_func="sigmoid", norm_topk_prob=norm, norm_top1=norm and top_k == 1,
-        route_scale=float(f.get("routed_scaling_factor")), n_group=f.get("n_group"), topk_group=f.get("topk_group"),
-        load_balance="aux_free",  # HF adds e_score_correction_bias to the scores that choose experts
-    )
+    cfg.moe = _sigmoid_moe(f)
     # Multi-token prediction layers follow the decoder layers in the checkpoint. Only an explicit field counts
     # (transformers' class default is 1, but its own save_pretrained writes no MTP tensors); the loader lowers it
     # to 0 for a checkpoint that holds none (moeflow.models.hf.read_hf_config).
     cfg.mtp_depth = int(f.hf.get("num_nextn_predict_layers") or f.hf.get("num_mtp_layers") or 0)
 
 
+def _glm4_moe(f: _Fields, cfg: ModelConfig) -> None:
+    f.reject("attention_bias", lambda v: not v, "GLM-4.5's output projection has no bias, unlike moeflow's")
+    cfg.qk_norm = "per_head" if f.get("use_qk_norm") else "none"
+    cfg.moe = _sigmoid_moe(f)
+
+
+def _sigmoid_moe(f: _Fields) -> MoEConfig:
+    """DeepSeek-V3's routing (also GLM-4.5's): sigmoid scores, a selection bias, shared experts, groups."""
+    top_k, norm = f.need("num_experts_per_tok"), bool(f.get("norm_topk_prob"))
+    return MoEConfig(
+        num_experts=f.need("n_routed_experts"), top_k=top_k, ffn_dim=f.need("moe_intermediate_size"),
+        num_shared_experts=f.get("n_shared_experts") or 0, first_k_dense=f.get("first_k_dense_replace"),
+        score_func="sigmoid", norm_topk_prob=norm, norm_top1=norm and top_k == 1,
+        route_scale=float(f.get("routed_scaling_factor")), n_group=f.get("n_group"), topk_group=f.get("topk_group"),
+        load_balance="aux_free",  # HF adds e_score_correction_bias to the scores that choose experts
+    )
+
+
 _ARCH_READERS = {
     "llama": lambda f, cfg: None, "qwen3": _qk_norm_per_head, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral,
-    "olmoe": _olmoe, "deepseek_v3": _deepseek_v3,
+    "olmoe": _olmoe, "deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe,
 }
 
 
@@ -256,6 +278,8 @@ def infer_arch(cfg: ModelConfig) -> Arch:
     """The Hugging Face architecture a moeflow config is exported as, from what it computes."""
     if cfg.attention == "mla":
         return ARCHS["deepseek_v3"]
+    if cfg.is_moe and (cfg.moe.score_func == "sigmoid" or cfg.moe.num_shared_experts):
+        return ARCHS["glm4_moe"]  # DeepSeek-V3's MoE under grouped-query attention
     if cfg.qk_norm == "full":
         return ARCHS["olmoe"]
     if cfg.qk_norm == "per_head":
@@ -277,10 +301,13 @@ def check_exportable(cfg: ModelConfig, arch: Arch) -> None:
             problems.append(text)
 
     kind = arch.model_type
+    sigmoid_routed = kind in ("deepseek_v3", "glm4_moe")
     need((cfg.attention == "mla") == (kind == "deepseek_v3"), f"attention = {cfg.attention!r}")
     want_norm = {"qwen3": "per_head", "qwen3_moe": "per_head", "olmoe": "full"}.get(kind, "none")
+    if kind == "glm4_moe":  # use_qk_norm chooses
+        want_norm = cfg.qk_norm if cfg.qk_norm in ("none", "per_head") else "none' or 'per_head"
     need(cfg.qk_norm == want_norm, f"qk_norm = {cfg.qk_norm!r} (the architecture has {want_norm!r})")
-    need(cfg.is_moe == (kind in ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")),
+    need(cfg.is_moe == (kind in ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe")),
          f"moe.num_experts = {m.num_experts}")
     need(not cfg.attention_bias or kind in ("llama", "qwen3", "qwen3_moe", "olmoe"), "attention_bias = true")
     need(cfg.mtp_depth == 0 or kind == "deepseek_v3",
@@ -291,7 +318,7 @@ def check_exportable(cfg: ModelConfig, arch: Arch) -> None:
         need((cfg.latent_norm_eps or cfg.norm_eps) == DEEPSEEK_LATENT_EPS,
              f"latent_norm_eps = {cfg.latent_norm_eps or cfg.norm_eps} (HF's DeepSeek-V3 uses 1e-6)")
     if cfg.is_moe:
-        if kind == "deepseek_v3":
+        if sigmoid_routed:
             need(m.score_func == "sigmoid", f"moe.score_func = {m.score_func!r}")
             need(m.shared_ffn_dim in (0, m.ffn_dim), f"moe.shared_ffn_dim = {m.shared_ffn_dim} (must equal ffn_dim)")
             need(m.n_group == 1 or m.num_experts // m.n_group >= 2, "groups of one expert (n_group = num_experts)")
@@ -336,6 +363,14 @@ def config_to_hf(cfg: ModelConfig, arch: Arch, dtype: str) -> dict:
             hf.update(norm_topk_prob=renormalises(m), clip_qkv=None)
         else:
             hf.update(sliding_window=None, router_jitter_noise=0.0)
+    elif arch.model_type == "glm4_moe":
+        hf.update(
+            n_routed_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.ffn_dim,
+            n_shared_experts=m.num_shared_experts, first_k_dense_replace=m.first_k_dense,
+            routed_scaling_factor=m.route_scale, n_group=m.n_group, topk_group=m.topk_group,
+            norm_topk_prob=renormalises(m), use_qk_norm=cfg.qk_norm == "per_head", attention_bias=False,
+            partial_rotary_factor=1.0, num_mtp_layers=0)
+        hf["rope_parameters"]["partial_rotary_factor"] = 1.0  # where transformers 5 reads it
     elif arch.model_type == "deepseek_v3":
         hf.update(
             num_key_value_heads=cfg.n_heads, head_dim=cfg.qk_rope_head_dim, q_lora_rank=cfg.q_lora_rank or None,

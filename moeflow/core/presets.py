@@ -17,7 +17,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-moe": ModelConfig(
         name="tiny-moe", vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256,
         max_seq_len=4096,
-        moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=128, num_shared_experts=1, first_k_dense=1),
+        # DeepSeek-V3's routing (sigmoid scores, a learnt selection bias, a shared expert, a dense first layer)
+        # under grouped-query attention: what Glm4MoeForCausalLM computes, so a trained tiny-moe exports as it
+        moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=128, num_shared_experts=1, first_k_dense=1,
+                      score_func="sigmoid"),
     ),
     "tiny-dense": ModelConfig(
         name="tiny-dense", vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,

@@ -407,7 +407,7 @@ def _check_biases_fit(arch: Arch, state: dict) -> None:
             raise ValueError(
                 f"{key} is nonzero (aux-loss-free balancing learnt it), but {arch.class_name} has no expert bias, "
                 f"so the exported model would route differently; train with model.moe.load_balance='none' or "
-                f"export as DeepseekV3ForCausalLM"
+                f"export as Glm4MoeForCausalLM (grouped-query attention) or DeepseekV3ForCausalLM (MLA)"
             )
 
 

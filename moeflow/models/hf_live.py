@@ -17,7 +17,8 @@ from moeflow.core.hf_arch import arch_of, config_from_hf, moe_block_rules
 from moeflow.models.hf import copy_into
 from moeflow.models.moe import MoE
 
-SPARSE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "OlmoeSparseMoeBlock", "DeepseekV3MoE")
+SPARSE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "OlmoeSparseMoeBlock", "DeepseekV3MoE",
+                 "Glm4MoeMoE")
 
 
 def moe_from_hf_block(hf_sparse_block: nn.Module, hf_config) -> MoE:
@@ -47,7 +48,7 @@ def moe_from_hf_block(hf_sparse_block: nn.Module, hf_config) -> MoE:
 
 
 def replace_sparse_moe_blocks(hf_model: nn.Module) -> int:
-    """Replace every Qwen3-MoE / Mixtral / OLMoE / DeepSeek-V3 sparse block of `hf_model` in place with
+    """Replace every Qwen3-MoE / Mixtral / OLMoE / DeepSeek-V3 / GLM-4.5 sparse block of `hf_model` in place with
     moeflow's MoE; returns how many were replaced. Logits are unchanged (tested to 1e-5 in fp32)."""
     import transformers
 

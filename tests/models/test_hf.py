@@ -32,7 +32,7 @@ transformers.logging.set_verbosity_error()
 TOL = 1e-5
 
 
-MOE_ARCHS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v3_plain"]
+MOE_ARCHS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v3_plain", "glm4_moe"]
 
 
 @dataclass
@@ -180,8 +180,8 @@ def test_replace_sparse_moe_blocks_keeps_logits_and_trains(moe_case):
     x = tokens()
     with torch.no_grad():
         before = hf(x).logits
-    dense_layers = {"qwen3_moe": len(getattr(hf.config, "mlp_only_layers", [])),
-                    "deepseek_v3": getattr(hf.config, "first_k_dense_replace", 0)}.get(moe_case.name, 0)
+    dense_layers = len(getattr(hf.config, "mlp_only_layers", None) or []) or getattr(hf.config,
+                                                                                   "first_k_dense_replace", 0)
     assert replace_sparse_moe_blocks(hf) == hf.config.num_hidden_layers - dense_layers
     assert isinstance(hf.model.layers[-1].mlp, MoE)
     with torch.no_grad():

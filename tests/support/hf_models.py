@@ -40,6 +40,12 @@ def hf_configs() -> dict:
             kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
                                  mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0)),
+        # GLM-4.5's MoE under grouped-query attention: whole-head RoPE, per-head q/k norms, two groups
+        "glm4_moe": t.Glm4MoeConfig(
+            **common, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=12, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+            n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=2, routed_scaling_factor=1.5,
+            use_qk_norm=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)),
         # full-rank queries, RoPE in halves (rope_interleave off), one group, no renormalisation, no dense layer
         "deepseek_v3_plain": t.DeepseekV3Config(
             **common, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
