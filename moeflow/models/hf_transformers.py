@@ -19,6 +19,7 @@ planner and the resume check); it builds nothing.
 
 from __future__ import annotations
 
+import inspect
 import json
 import weakref
 from pathlib import Path
@@ -176,4 +177,6 @@ class GenerationModel(nn.Module):
         from transformers import DynamicCache
 
         past = self._caches.setdefault(cache, DynamicCache(config=self.hf.config))
-        return self.hf(input_ids=ids, past_key_values=past, use_cache=True).logits
+        # transformers 5.24 renamed past_key_values to cache (the old name still works, with a warning)
+        key = "cache" if "cache" in inspect.signature(self.hf.forward).parameters else "past_key_values"
+        return self.hf(input_ids=ids, use_cache=True, **{key: past}).logits
