@@ -15,6 +15,8 @@ both; tests/test_bench.py fails while a README and the JSON disagree. Only --rec
 | hf_speed | README.md | `bench/moe_layer.py --out bench/results` and `bench/hf_models.py --out bench/results` |
 | plan | README.md | `bench/plan_vs_measured.py --out bench/results` |
 | train_layouts | bench/README.md | `bench/train.py --out bench/results` |
+| vllm_serve | README.md | `bench/vllm_serve.py --out bench/results` |
+| hf_coverage | README.md | `python -m tests.e2e.hf_coverage --out bench/results` |
 """
 
 from __future__ import annotations
@@ -168,6 +170,72 @@ def train_layouts() -> str:
     return "\n".join(lines)
 
 
+VLLM_CASES = {"tiny-moe": "tiny-moe (`make train`'s model)", "qwen3_moe-native": "Qwen3-MoE, moeflow's modules",
+              "mixtral-native": "Mixtral, moeflow's modules",
+              "qwen3_moe-transformers": "Qwen3-MoE, transformers' modules",
+              "glm4_moe-transformers": "GLM-4.5-shaped (partial RoPE, biases), transformers' modules",
+              "gpt_oss-transformers": "gpt-oss, transformers' modules"}
+
+
+def vllm_serve() -> str:
+    r = _load("vllm_serve")
+    meta = r["meta"]
+    lines = [_wrap(f"`bench/vllm_serve.py` (`bench/results/vllm_serve.json`; {meta['versions']} in its own venv; "
+                   f"{meta['steps']} training steps under ep=2, exported in {meta['dtype']}; {meta['new_tokens']} "
+                   f"greedy tokens after each of {len(meta['prompts'])} prompts):"), "",
+             "| run | exported as | moeflow = transformers | vLLM = transformers |", "|---|---|---|---|"]
+
+    def agree(row, key):
+        if row.get(key) is None:
+            return f"not served: {row.get('vllm_error')}"
+        same = sum(x == y for p, q in zip(row["transformers"], row[key]) for x, y in zip(p, q))
+        return f"{same}/{sum(len(p) for p in row['transformers'])} tokens"
+
+    for case, row in r["cases"].items():
+        lines.append(f"| {VLLM_CASES.get(case, case)} | `{row['architecture']}` | {agree(row, 'moeflow')} | "
+                     f"{agree(row, 'vllm')} |")
+    return "\n".join(lines)
+
+
+def _short(reason: str) -> str:
+    """A refusal's first clause, for a table cell."""
+    return reason.split(";")[0].split(": ", 1)[-1].strip().rstrip(".")
+
+
+def hf_coverage() -> str:
+    r = _load("hf_coverage")
+    caps, cells = r["capabilities"], r["cells"]
+    reasons: list[str] = []  # footnotes, in order of first use
+
+    def cell(value: str) -> str:
+        if value == "ok":
+            return "✓"
+        if "which moeflow cannot load" in value:  # not one of the natively mapped architectures
+            return "–"
+        short = _short(value)
+        if short not in reasons:
+            reasons.append(short)
+        return f"✗{reasons.index(short) + 1}"
+
+    ok = sum(all(row.get(c) == "ok" for c in ("ep=2", "dp=2", "export", "generate")) for row in cells.values())
+    lines = [_wrap(f"`python -m tests.e2e.hf_coverage --out bench/results` (`bench/results/hf_coverage.json`, "
+                   f"transformers {r['transformers']}): {len(cells)} architectures found, {ok} train under ep=2 "
+                   f"and dp=2 as one process, export and generate as transformers does."), "",
+             "| architecture | " + " | ".join(caps) + " |", "|---|" + "---|" * len(caps)]
+    for arch, row in sorted(cells.items()):
+        lines.append(f"| {arch} | " + " | ".join(cell(row.get(c, "not run")) for c in caps) + " |")
+    notes = ["–: not one of the architectures moeflow's own model maps (it runs on transformers' modules)"]
+    notes += [f"✗{i + 1}: {why}" for i, why in enumerate(reasons)]
+    lines += [""] + [note + ("  " if i + 1 < len(notes) else "") for i, note in enumerate(notes)]
+    by_reason: dict[str, list[str]] = {}
+    for arch, why in sorted(r.get("not_fitting", {}).items()):
+        by_reason.setdefault(why, []).append(arch)
+    if by_reason:
+        lines += ["", _wrap("Found but not trained, having no text-only causal LM: " + "; ".join(
+            f"{', '.join(archs)} ({why})" for why, archs in by_reason.items()) + ".")]
+    return "\n".join(lines)
+
+
 # block name -> (file, renderer, inline: the block sits inside a sentence)
 BLOCKS = {
     "make_train": ("README.md", make_train, False),
@@ -175,6 +243,8 @@ BLOCKS = {
     "hf_speed": ("README.md", hf_speed, False),
     "plan": ("README.md", plan, True),
     "train_layouts": ("bench/README.md", train_layouts, False),
+    "vllm_serve": ("README.md", vllm_serve, False),
+    "hf_coverage": ("README.md", hf_coverage, False),
 }
 
 

@@ -162,7 +162,7 @@ def _load_model_state(checkpoint: Path, model) -> None:
         raise ValueError(f"{checkpoint} has checkpoint format {extra.get('format', 1)}; this moeflow reads {FORMAT}")
     # placeholders() names tensors through an optimizer's parameters; one that never stepped holds no state.
     optimizer = torch.optim.AdamW(model.parameters())
-    load_state(checkpoint, [model], optimizer, model_only=True,
+    load_state(checkpoint, [model], optimizer, model_only=True, local=True,
                fix="does config.toml describe the model that was trained?")
 
 

@@ -49,13 +49,24 @@ def _first(d: dict, keys: tuple[str, ...], default=0):
     return default
 
 
-def causal_lm_refusal(hf: dict) -> str | None:
-    """Why transformers has no causal LM for this config.json (None when it has one)."""
+def causal_lm_class(hf: dict):
+    """transformers' causal-LM class for this config.json: AutoModelForCausalLM, or the *ForCausalLM class the
+    config names where the auto mapping lacks its model type (transformers registers a few only elsewhere);
+    None when there is neither."""
+    import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model_type = hf.get("model_type")
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if hf.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM
+    named = (hf.get("architectures") or [""])[0]
+    return getattr(transformers, named, None) if named.endswith("ForCausalLM") else None
+
+
+def causal_lm_refusal(hf: dict) -> str | None:
+    """Why transformers has no causal LM for this config.json (None when it has one)."""
+    if causal_lm_class(hf) is not None:
         return None
+    model_type = hf.get("model_type")
     named = (hf.get("architectures") or [model_type])[0]
     kind = "an encoder-decoder model" if hf.get("is_encoder_decoder") else "not a causal language model"
     return (f"config.json describes {named!r} (model_type {model_type!r}), {kind} in transformers "
@@ -104,7 +115,8 @@ def describe(hf: dict, folder: str = "") -> ModelConfig:
             moe.shared_ffn_dim = int(t.get("shared_expert_intermediate_size") or moe.ffn_dim)
     return ModelConfig(
         name="custom", vocab_size=t["vocab_size"], dim=dim,
-        n_layers=t["num_hidden_layers"], n_heads=heads, n_kv_heads=t.get("num_key_value_heads") or heads,
+        n_layers=t.get("num_hidden_layers") or len(t.get("layers_block_type") or t.get("layer_types") or ()),
+        n_heads=heads, n_kv_heads=t.get("num_key_value_heads") or heads,
         head_dim=t.get("head_dim") or dim // heads, ffn_dim=int(t.get("intermediate_size") or 4 * dim),
         max_seq_len=int(t.get("max_position_embeddings") or 4096),
         tie_embeddings=bool(hf.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
@@ -130,13 +142,15 @@ def load(folder: str | Path, device: torch.device | str = "cpu") -> nn.Module:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()  # the trainer's bar is the one progress bar
     device = torch.device(device)
+    cls = causal_lm_class(read_config(folder))
     if device.type == "meta":
         config = transformers.AutoConfig.from_pretrained(str(folder))
         with torch.device("meta"):
-            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            if cls is transformers.AutoModelForCausalLM:
+                return cls.from_config(config, dtype=torch.float32)
+            return cls(config).float()
     try:
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=torch.float32, output_loading_info=True)
+        model, info = cls.from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True)
     except (OSError, RuntimeError) as e:  # a missing shard, a size that disagrees with config.json
         raise ValueError(f"{folder}: transformers cannot load the weights ({str(e).splitlines()[0]})") from None
     missing = [k for k in info.get("missing_keys", ()) if k not in _tied_names(model)]
@@ -163,7 +177,8 @@ def logits(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | Non
 
 class GenerationModel(nn.Module):
     """transformers' model behind the interface moeflow generate and eval call: `model(ids, cache=KVCache)`
-    -> logits, and `.cfg`. A moeflow KVCache stands for one transformers DynamicCache, made at its first use."""
+    -> logits, and `.cfg`. A moeflow KVCache stands for the cache transformers' model returns from its first
+    call."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig):
         super().__init__()
@@ -174,9 +189,10 @@ class GenerationModel(nn.Module):
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         if cache is None:
             return logits(self.hf, ids, positions, document_ids)
-        from transformers import DynamicCache
-
-        past = self._caches.setdefault(cache, DynamicCache(config=self.hf.config))
+        # the first call lets the model make its own cache (some architectures have a class of their own)
+        past = self._caches.get(cache)
         # transformers 5.24 renamed past_key_values to cache (the old name still works, with a warning)
         key = "cache" if "cache" in inspect.signature(self.hf.forward).parameters else "past_key_values"
-        return self.hf(input_ids=ids, use_cache=True, **{key: past}).logits
+        out = self.hf(input_ids=ids, use_cache=True, **({key: past} if past is not None else {}))
+        self._caches[cache] = out.past_key_values
+        return out.logits

@@ -65,10 +65,11 @@ def verify(path: Path) -> str | None:
 FORMAT = 2  # flat, layout-independent keys (moeflow.train.state_dict); 1 was nested with per-EP-rank expert keys
 
 
-def load_state(path: Path, parts: list, optimizer, fix: str, model_only: bool = False) -> None:
+def load_state(path: Path, parts: list, optimizer, fix: str, model_only: bool = False, local: bool = False) -> None:
     """Read a checkpoint's flat state (moeflow.train.state_dict) into the model parts and the optimizer, each rank
     only what it owns under the current layout. A tensor the model needs but the checkpoint lacks is an error
-    ending in `fix`."""
+    ending in `fix`. `local`: this process alone reads the whole model (convert, eval, generate), whether or not
+    it belongs to a process group."""
     saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     if model_only:
         saved = {k for k in saved if k.startswith("model.")}
@@ -76,7 +77,7 @@ def load_state(path: Path, parts: list, optimizer, fix: str, model_only: bool = 
     missing = sorted(set(flat) - saved)
     # Ranks own different keys (pipeline stages, EP ranks): decide together, so none waits in dcp.load for a
     # peer that has already raised.
-    if torch.distributed.is_initialized():
+    if torch.distributed.is_initialized() and not local:
         nccl = torch.distributed.get_backend() == "nccl"  # NCCL reduces device tensors only
         count = torch.tensor([len(missing)], device="cuda" if nccl else "cpu")
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
@@ -87,7 +88,7 @@ def load_state(path: Path, parts: list, optimizer, fix: str, model_only: bool = 
         raise ValueError(f"checkpoint {path} lacks tensors this model needs{shown}; {fix}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(flat, checkpoint_id=str(path))
+        dcp.load(flat, checkpoint_id=str(path), no_dist=local or not torch.distributed.is_initialized())
     state_dict.apply(parts, optimizer, flat)
 
 

@@ -1,0 +1,63 @@
+"""The Hugging Face coverage matrix (tests/e2e/hf_coverage.py) on two gloo ranks: every capability of every
+architecture found is "ok" or a one-line refusal, never a failure, and agrees with the committed results file
+that README.md's table is rendered from (bench/results/hf_coverage.json).
+
+CI runs the architectures the README names (the families users bring most); the slow test runs all of them and
+also checks that the committed file lists exactly the architectures the installed transformers has."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.e2e.hf_coverage import CAPABILITIES, run_case  # noqa: E402
+from tests.support.dist_harness import check_results, launch  # noqa: E402
+from tests.support.hf_tiny import moe_architectures  # noqa: E402
+
+COMMITTED = Path(__file__).resolve().parents[2] / "bench" / "results" / "hf_coverage.json"
+NAMED = ["gpt_oss", "glm4_moe", "glm4_moe_lite", "qwen2_moe", "deepseek_v2", "granitemoeshared", "phimoe",
+         "qwen3_next", "jamba", "minimax"]
+
+
+def _matrix(archs: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = [("matrix", archs, f"{tmp}/cells.json")]
+        check_results(launch(2, cases, run_case, timeout_s=300), cases)
+        return json.loads(Path(f"{tmp}/cells.json").read_text())
+
+
+def _check(cells: dict) -> None:
+    committed = json.loads(COMMITTED.read_text())["cells"]
+    failed = {arch: row["error"] for arch, row in cells.items() if "error" in row}
+    assert not failed, f"architectures that failed a check: {failed}"
+    for arch, row in cells.items():
+        assert set(row) == set(CAPABILITIES), arch
+        for capability, value in row.items():
+            assert value == "ok" or "\n" not in value, f"{arch} {capability}: a refusal is one line: {value!r}"
+        was = {c: v == "ok" for c, v in committed.get(arch, {}).items()}
+        assert was == {c: v == "ok" for c, v in row.items()}, (
+            f"{arch}: the matrix says {row}, bench/results/hf_coverage.json says {committed.get(arch)}; rerun "
+            f"`python -m tests.e2e.hf_coverage --out bench/results` and `python bench/readme_figures.py`")
+
+
+@pytest.mark.timeout(400)
+def test_named_architectures_train_export_and_generate():
+    cells = _matrix(NAMED)
+    _check(cells)
+    for arch in NAMED:  # what the README promises of each
+        assert all(cells[arch][c] == "ok" for c in ("ep=2", "dp=2", "export", "generate")), arch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_every_architecture_of_the_installed_transformers():
+    found = sorted(a for a, cls in moe_architectures().items() if cls)
+    assert found == sorted(json.loads(COMMITTED.read_text())["cells"]), (
+        "the installed transformers has other MoE architectures than bench/results/hf_coverage.json; rerun "
+        "`python -m tests.e2e.hf_coverage --out bench/results`")
+    _check(_matrix(found))
