@@ -239,6 +239,13 @@ class JobConfig:
             unaligned = grouped_mm_alignment_error(self.model.dim, self.model.moe.ffn_dim, itemsize, name)
             if unaligned:
                 raise ValueError(unaligned)
+        if self.model.runs_transformers and self.parallel.ep > 1:
+            from moeflow.models.hf_transformers import architecture_of, read_config, uses_experts_interface
+
+            if not uses_experts_interface(read_config(self.model.hf_path)):
+                raise ValueError(f"parallel.ep = {self.parallel.ep} for {architecture_of(self.model.hf_path)}: its "
+                                 f"experts are not transformers' experts interface, which moeflow's expert "
+                                 f"parallelism plugs into; use ep = 1 (FSDP2 shards them with the rest)")
         if t.fp8 != "none" and self.model.runs_transformers:
             raise ValueError(f"training.fp8 = {t.fp8!r} for {self.model.hf_path} on transformers' own modules is "
                              f"not supported yet; use training.fp8 = 'none', or model.hf_impl = 'native' where moeflow "

@@ -62,6 +62,20 @@ def causal_lm_class(hf: dict):
     return getattr(transformers, named, None) if named.endswith("ForCausalLM") else None
 
 
+def uses_experts_interface(hf: dict) -> bool:
+    """Whether the architecture's experts module is transformers' experts interface (`use_experts_implementation`,
+    what moeflow's expert parallelism plugs into): read from its modeling file, nothing is built."""
+    import sys
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf.get("model_type")) or (hf.get("architectures") or [""])[0]
+    cls = getattr(transformers, name, None)
+    source = getattr(sys.modules.get(cls.__module__) if cls else None, "__file__", None)
+    return bool(source) and "use_experts_implementation" in Path(source).read_text()
+
+
 def causal_lm_refusal(hf: dict) -> str | None:
     """Why transformers has no causal LM for this config.json (None when it has one)."""
     if causal_lm_class(hf) is not None:

@@ -1,0 +1,138 @@
+"""`moeflow train --model.hf_path` on transformers' own modules (model.hf_impl = 'transformers'), for a tiny
+gpt-oss folder, an architecture moeflow's own model does not map (attention sinks, sliding windows, biased and
+interleaved experts, clamped SwiGLU): the first loss is transformers' own; ep=2 and dp=2 train the one-process
+losses and gradient norms; a run stopped under ep=2 resumes in one process as the uninterrupted run; the export
+gives `moeflow eval`'s loss in transformers; and what is not supported is refused in one line before any rank
+starts. Every loss comparison relative REL (fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from moeflow.config import load_config  # noqa: E402
+from moeflow.train.build import build  # noqa: E402
+from moeflow.train.distributed import DistInfo  # noqa: E402
+from moeflow.train.trainer import train  # noqa: E402
+from tests.support.hf_models import V, randomize  # noqa: E402
+
+REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    cfg = transformers.GptOssConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8, intermediate_size=16, num_local_experts=4,
+                                    num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    randomize(model, seed=1)
+    path = tmp_path_factory.mktemp("gpt-oss")
+    model.save_pretrained(path)
+    data = path / "tokens.bin"
+    np.random.default_rng(0).integers(0, V, 20000).astype(np.uint16).tofile(data)
+    return path
+
+
+def _overrides(folder, run_dir, **more) -> dict:
+    return {"model.hf_path": str(folder), "data.source": str(folder / "tokens.bin"), "data.seq_len": 16,
+            "training.global_batch": 4, "training.steps": 4, "eval.every": 0, "eval.batches": 1,
+            "metrics.tensorboard": False, "metrics.log_every": 1, "checkpoint.every": 2, "run_dir": str(run_dir),
+            **more}
+
+
+def _steps(run_dir) -> list[tuple[float, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["loss"], r["grad_norm"]) for r in rows]
+
+
+def test_the_run_is_transformers_model_from_its_first_loss(folder, tmp_path):
+    cfg = load_config(None, _overrides(folder, tmp_path / "one"))
+    assert cfg.model.runs_transformers and cfg.model.moe.num_experts == 4  # auto: gpt-oss is not mapped natively
+    s = build(cfg, DistInfo(0, 1, 0, torch.device("cpu")), *cfg.layout(1))
+    assert type(s.model).__name__ == "GptOssForCausalLM"
+    first = s.sampler.next_batch()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        want = float(F.cross_entropy(hf(first.inputs).logits.flatten(0, 1), first.targets.flatten()))
+    summary = train(cfg, fresh=True, progress=False)
+    assert _steps(tmp_path / "one")[0][0] == pytest.approx(want, rel=REL)
+    assert summary["model"].startswith("GptOssForCausalLM (transformers")
+
+
+def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_path):
+    """ep=2 (FSDP2 over the same ranks), dp=2 ZeRO-3, and ep=2 stopped at step 2 then resumed in one process:
+    every step's loss and gradient norm equal the one-process run's; then the export loads in transformers with
+    `moeflow eval`'s loss, and `moeflow generate` gives transformers' greedy tokens."""
+    from moeflow.cli import main as cli_main
+    from tests.parallel.layout_worker import launch
+
+    train(load_config(None, _overrides(folder, tmp_path / "one")), fresh=True, progress=False)
+    argv = lambda run, **more: [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / run, **more).items()]
+    results = launch(2, [("ep2", argv("ep2", **{"parallel.ep": 2}), str(tmp_path / "ep2"), False),
+                         ("dp2", argv("dp2", **{"parallel.zero": 3}), str(tmp_path / "dp2"), False),
+                         ("stop", argv("stop", **{"parallel.ep": 2, "training.stop_at": 2}), str(tmp_path / "stop"),
+                          False)])
+    assert results == {"ep2": "ok", "dp2": "ok", "stop": "ok"}, results
+    train(load_config(None, _overrides(folder, tmp_path / "stop")), resume=True, progress=False)  # 1 process
+    want = np.array(_steps(tmp_path / "one"))
+    for run in ("ep2", "dp2", "stop"):
+        np.testing.assert_allclose(np.array(_steps(tmp_path / run)), want, rtol=REL, err_msg=run)
+
+    out = tmp_path / "exported"
+    assert cli_main(["convert", "moeflow-to-hf", str(tmp_path / "stop"), str(out), "--dtype", "fp32"]) == 0
+    from moeflow.generate import generate, load_model
+
+    model, *_ = load_model(str(tmp_path / "stop"))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.from_numpy(np.fromfile(folder / "tokens.bin", dtype=np.uint16)[:33].astype(np.int64))[None]
+    with torch.no_grad():
+        ours = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[0, 1:])
+        theirs = F.cross_entropy(exported(ids[:, :-1]).logits.flatten(0, 1), ids[0, 1:])
+    assert float(theirs) == pytest.approx(float(ours), rel=REL)
+    prompt = ids[0, :5].tolist()
+    assert generate(model, prompt, 8, temperature=0.0) == exported.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0)[0, 5:].tolist()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"parallel.pp": 2}, r"parallel.pp = 2 for .* on transformers' own modules: pipeline parallelism needs "
+                         r"moeflow's model; use model.hf_impl = 'native'"),
+    ({"parallel.cp": 2}, r"parallel.cp = 2 .* context parallelism needs moeflow's model"),
+    ({"parallel.tp": 2}, r"parallel.tp = 2 .* tensor parallelism of its experts modules is not supported yet"),
+    ({"training.fp8": "tensorwise"}, r"training.fp8 = 'tensorwise' for .* on transformers' own modules"),
+    ({"parallel.ep": 2}, None),  # taken
+    ({"model.hf_impl": "native"}, r"config.json describes \['GptOssForCausalLM'\], which moeflow cannot load"),
+])
+def test_what_is_not_supported_is_one_line_before_any_rank(folder, tmp_path, changes, message):
+    def check():
+        load_config(None, _overrides(folder, tmp_path / "r", **changes)).layout(2)
+
+    if message is None:
+        check()
+        return
+    with pytest.raises(ValueError, match=message) as e:
+        check()
+    assert "\n" not in str(e.value)
+
+
+def test_folders_transformers_cannot_train_are_named(folder, tmp_path):
+    t5 = tmp_path / "t5"
+    transformers.T5Config(vocab_size=V, d_model=16, num_layers=1, num_heads=2, d_kv=8, d_ff=16).save_pretrained(t5)
+    with pytest.raises(ValueError, match=r"\(model_type 't5'\), an encoder-decoder model in transformers .*; "
+                                         r"moeflow trains decoder LMs"):
+        load_config(None, _overrides(t5, tmp_path / "r"))
+    sharded = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(folder).save_pretrained(sharded, max_shard_size="20KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    with pytest.raises(ValueError, match=rf"lists {shards[-1].name}, which is not in .*; copy the missing shard"):
+        load_config(None, _overrides(sharded, tmp_path / "r"))
