@@ -237,7 +237,8 @@ def _model_label(cfg: JobConfig) -> str:
         return m.name
     from moeflow.models.hf_transformers import architecture_of
 
-    return f"{architecture_of(m.hf_path)} ({'transformers' if m.runs_transformers else 'moeflow'}'s modules)"
+    code = "transformers' modules" if m.runs_transformers else "moeflow's modules"
+    return f"{architecture_of(m.hf_path)} ({code})"
 
 
 def _summary(cfg: JobConfig, s: Setup, start: int, loop: LoopState, resumed_from, elapsed: float) -> RunSummary:
