@@ -1,0 +1,164 @@
+"""Expert parallelism of a transformers MoE model: moeflow's path on transformers' own modules against moeflow's own
+model of the same weights, ep=2 on two gloo ranks of one machine.
+
+    .venv/bin/python bench/hf_ep.py                      # writes bench/out/hf_ep.{json,png}
+    .venv/bin/python bench/hf_ep.py --out bench/results  # the committed figures
+    .venv/bin/python bench/hf_ep.py --quick              # 3 repeats: a smoke run
+
+Cases, each `moeflow.parallelize(model, ParallelDims(2, ep=2))` (FSDP2 ZeRO-3 of the rest) and one AdamW step per
+repeat on the same batch of each rank:
+
+  qwen3_moe native        moeflow's Transformer loaded from the folder (model.hf_impl = 'native')
+  qwen3_moe transformers  transformers' Qwen3MoeForCausalLM, its experts through moeflow.ep
+                          (model.hf_impl = 'transformers')
+  gpt_oss transformers    transformers' GptOssForCausalLM (no native path: the architecture's own experts)
+
+Shapes (Qwen3-MoE's and gpt-oss's layouts at a CPU's size): hidden 256, 4 layers, 8 heads of 32 (2 kv heads), 16
+experts of width 256, top-4, vocabulary 2048, 4 x 256 tokens per rank, fp32, one thread per rank. The losses of
+the two qwen3_moe cases are compared first (same weights, same batch: equal to 1e-5). The cases interleave, one
+step each per repeat; reported: the slowest rank's median step, tokens/s of the slowest rank, each case's ratio
+to the native path, and each rank's peak resident memory.
+
+The peers the issue names (DeepSpeed's AutoEP, transformers' own `DistributedConfig(enable_expert_parallel=True)`)
+are not here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+CASES = ["qwen3_moe native", "qwen3_moe transformers", "gpt_oss transformers"]
+D, LAYERS, HEADS, KV, HD, E, K, F, V = 256, 4, 8, 2, 32, 16, 4, 256, 2048
+B, S = 4, 256
+
+
+def _configs():
+    import transformers as t
+
+    common = dict(vocab_size=V, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  num_key_value_heads=KV, head_dim=HD, max_position_embeddings=S, tie_word_embeddings=False)
+    return {"qwen3_moe": t.Qwen3MoeConfig(**common, intermediate_size=4 * D, num_experts=E, num_experts_per_tok=K,
+                                          moe_intermediate_size=F, norm_topk_prob=True),
+            "gpt_oss": t.GptOssConfig(**common, intermediate_size=F, num_local_experts=E, num_experts_per_tok=K,
+                                      sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2)}
+
+
+def make_folders(work: Path) -> dict[str, Path]:
+    import torch
+    import transformers
+
+    from tests.support.hf_models import randomize
+
+    folders = {}
+    for name, cfg in _configs().items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+        randomize(model, seed=1)
+        folders[name] = work / name
+        model.save_pretrained(folders[name])
+    return folders
+
+
+def _worker(rank: int, folders: dict, repeats: int, tmp: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    import moeflow
+    from moeflow.models import hf_transformers
+    from moeflow.models.hf import from_pretrained
+
+    models = {}
+    for case in CASES:
+        arch, impl = case.split()
+        model = from_pretrained(folders[arch])[0] if impl == "native" else hf_transformers.load(folders[arch])
+        state = moeflow.parallelize(model, moeflow.ParallelDims(2, ep=2))
+        models[case] = (state, torch.optim.AdamW(state.model.parameters(), lr=1e-4))
+    gen = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(0, V, (B, S + 1), generator=gen)
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+
+    def step(case: str) -> tuple[float, float]:
+        state, opt = models[case]
+        t0 = time.perf_counter()
+        loss = state.runner.train_step(inputs, targets)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0, float(loss)
+
+    first = {case: step(case)[1] for case in CASES}  # warm-up, and the losses compared before any timing
+    times = {case: [] for case in CASES}
+    for r in range(repeats):
+        for case in CASES[r % len(CASES):] + CASES[:r % len(CASES)]:  # rotate the order every repeat
+            times[case].append(step(case)[0])
+    out = {"first_loss": first, "median_s": {c: statistics.median(v) for c, v in times.items()},
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    import torch
+    import torch.multiprocessing as mp
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO / "bench" / "out"))
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    repeats = 3 if args.quick else args.repeats
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = make_folders(Path(tmp))
+        mp.spawn(_worker, args=({k: str(v) for k, v in folders.items()}, repeats, tmp), nprocs=2, join=True)
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
+    native, hf = (ranks[0]["first_loss"][c] for c in CASES[:2])
+    if abs(native - hf) > 1e-5 * abs(native):
+        raise SystemExit(f"the native and transformers paths disagree on the first loss: {native} vs {hf}")
+    slowest = {c: max(r["median_s"][c] for r in ranks) for c in CASES}
+    tokens = B * S
+    rows = [{"case": c, "step_ms": 1e3 * slowest[c], "tokens_per_s": tokens / slowest[c],
+             "vs_native": slowest[CASES[0]] / slowest[c], "peak_rss_mb": [r["peak_rss_mb"] for r in ranks]}
+            for c in CASES]
+    print(f"\nep=2 on 2 gloo ranks, {tokens} tokens per rank, medians of {repeats} interleaved steps; first losses "
+          f"native {native:.6f}, transformers {hf:.6f}\n")
+    print(f"{'case':<24} {'step ms':>9} {'tokens/s':>9} {'speed vs native':>16}")
+    for row in rows:
+        print(f"{row['case']:<24} {row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} {row['vs_native']:>16.2f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, "tokens_per_rank": tokens,
+            "shape": dict(D=D, layers=LAYERS, heads=HEADS, experts=E, top_k=K, expert_width=F, vocab=V),
+            "first_loss": {"native": native, "transformers": hf}}
+    (out / "hf_ep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    _plot(rows, out / "hf_ep.png")
+    print(f"\nwrote {out / 'hf_ep.json'} and hf_ep.png")
+    return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.barh([r["case"] for r in rows], [r["tokens_per_s"] for r in rows])
+    ax.set_xlabel("tokens/s of the slowest rank (ep=2, fp32)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
