@@ -141,3 +141,14 @@ def test_folders_transformers_cannot_train_are_named(folder, tmp_path):
     shards[-1].unlink()
     with pytest.raises(ValueError, match=rf"lists {shards[-1].name}, which is not in .*; copy the missing shard"):
         load_config(None, _overrides(sharded, tmp_path / "r"))
+
+
+@pytest.mark.slow
+def test_ep2_by_dp2_on_four_ranks_trains_the_one_process_run(folder, tmp_path):
+    """ep=2 inside dp_shard=4 (each expert FSDP-sharded over the 2 ranks that hold it) on transformers' modules."""
+    from tests.parallel.layout_worker import launch
+
+    train(load_config(None, _overrides(folder, tmp_path / "one")), fresh=True, progress=False)
+    argv = [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / "ep2dp4", **{"parallel.ep": 2}).items()]
+    assert launch(4, [("ep2dp4", argv, str(tmp_path / "ep2dp4"), False)]) == {"ep2dp4": "ok"}
+    np.testing.assert_allclose(np.array(_steps(tmp_path / "ep2dp4")), np.array(_steps(tmp_path / "one")), rtol=REL)
