@@ -147,6 +147,15 @@ def architecture_of(folder: str | Path) -> str:
     return (hf.get("architectures") or [hf.get("model_type", "?")])[0]
 
 
+def model_label(m: ModelConfig) -> str:
+    """What a run's summary calls its model: the preset's name, or for a Hugging Face folder its architecture and
+    whose modules ran it."""
+    if not m.hf_path:
+        return m.name
+    code = "transformers' modules" if m.runs_transformers else "moeflow's modules"
+    return f"{architecture_of(m.hf_path)} ({code})"
+
+
 def load(folder: str | Path, device: torch.device | str = "cpu") -> nn.Module:
     """transformers' own model of `folder` in fp32 (training precision), in train mode. On the meta device the
     model is built from config.json alone (dry runs). ValueError, in one line, when the weights do not fill the

@@ -73,7 +73,9 @@ def dry_run(cfg: JobConfig, world_size: int) -> dict:
     stage_ranks = [s * (world_size // pp) for s in range(pp)] if world_size % pp == 0 else [0]
     ranks = [rank_state(cfg, world_size, r) for r in stage_ranks]
     total = cfg.model.num_params()
-    return {"world_size": world_size, "model": cfg.model.name, "total_params": total,
+    from moeflow.models.hf_transformers import model_label
+
+    return {"world_size": world_size, "model": model_label(cfg.model), "total_params": total,
             "ideal_params_per_rank": total / world_size, "ranks": ranks}
 
 

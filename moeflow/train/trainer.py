@@ -16,6 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moeflow.config import JobConfig, to_toml
+from moeflow.models.hf_transformers import model_label
 from moeflow.train.build import Setup, build
 from moeflow.train.checkpoint import CheckpointManager, check_writable
 from moeflow.train.distributed import init_distributed
@@ -230,23 +231,12 @@ def _wandb(cfg: JobConfig, is_main: bool):
     return WandbSink(Path(cfg.run_dir), cfg.metrics.wandb_project, tomllib.loads(to_toml(cfg)))
 
 
-def _model_label(cfg: JobConfig) -> str:
-    """The preset's name, or for a Hugging Face folder its architecture (and which code ran it)."""
-    m = cfg.model
-    if not m.hf_path:
-        return m.name
-    from moeflow.models.hf_transformers import architecture_of
-
-    code = "transformers' modules" if m.runs_transformers else "moeflow's modules"
-    return f"{architecture_of(m.hf_path)} ({code})"
-
-
 def _summary(cfg: JobConfig, s: Setup, start: int, loop: LoopState, resumed_from, elapsed: float) -> RunSummary:
     ran = loop.stop > start
     last_ckpt = loop.checkpoint or resumed_from
     run_dir = Path(cfg.run_dir)
     return RunSummary(
-        model=_model_label(cfg), params=cfg.model.num_params(), active_params=cfg.model.num_active_params(),
+        model=model_label(cfg.model), params=cfg.model.num_params(), active_params=cfg.model.num_active_params(),
         layout=s.layout, steps=loop.stop, start_step=start, first_loss=loop.first_loss, final_loss=loop.last_loss,
         val_loss=loop.val_loss,
         tokens_per_s=(loop.stop - start) * cfg.training.global_batch * cfg.data.seq_len / elapsed if ran else 0.0,
