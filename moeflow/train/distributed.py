@@ -42,8 +42,30 @@ def choose_device(pref: str, local_ranks: int, setting: str = "training.device")
     return "cuda" if 0 < gpus and local_ranks <= gpus else "cpu"
 
 
-def init_distributed(device_pref: str = "auto", timeout_s: float = 300) -> DistInfo:
-    """Join torchrun's process group when WORLD_SIZE > 1 (gloo on CPU, NCCL on CUDA)."""
+# NCCL's flight recorder (torch.distributed.flight_recorder): each rank keeps its last collectives in a ring buffer
+# and dumps it when a collective times out. Set unless the user set them (a name of either generation).
+FLIGHT_RECORDER_ENTRIES = 2000
+FLIGHT_RECORDER_FILE = "nccl-trace-rank"  # RUN_DIR/nccl-trace-rank<N>, beside the hang-rank<N>.txt files
+
+
+def set_flight_recorder_env(run_dir: str | os.PathLike, environ=os.environ) -> dict[str, str]:
+    """The flight recorder's environment for an NCCL run writing to `run_dir` (before the process group exists,
+    which reads it once); returns what it set. Read a dump with `python -m torch.distributed.flight_recorder.fr_trace
+    RUN_DIR --prefix nccl-trace-rank`."""
+    wanted = {("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): str(FLIGHT_RECORDER_ENTRIES),
+              ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+              ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+                  os.path.join(os.path.abspath(run_dir), FLIGHT_RECORDER_FILE)}
+    done = {}
+    for names, value in wanted.items():
+        if not any(name in environ for name in names):
+            environ[names[0]] = done[names[0]] = value
+    return done
+
+
+def init_distributed(device_pref: str = "auto", timeout_s: float = 300, run_dir: str | None = None) -> DistInfo:
+    """Join torchrun's process group when WORLD_SIZE > 1 (gloo on CPU, NCCL on CUDA, with its flight recorder
+    dumping into `run_dir` on a timeout)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -57,6 +79,8 @@ def init_distributed(device_pref: str = "auto", timeout_s: float = 300) -> DistI
     if use_cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
+        if use_cuda and run_dir is not None:
+            set_flight_recorder_env(run_dir)
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
         )

@@ -80,7 +80,7 @@ def summary_json(summary: RunSummary) -> dict:
 def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: bool = True) -> dict:
     """Train; resume from the newest complete checkpoint in run_dir unless `fresh`.
     `resume=True` makes a missing checkpoint an error. Returns summary.json's object (summary_json)."""
-    info = init_distributed(cfg.training.device, cfg.parallel.timeout_s)
+    info = init_distributed(cfg.training.device, cfg.parallel.timeout_s, cfg.run_dir)
     dims, batch = cfg.layout(info.world_size)
     run_dir = Path(cfg.run_dir)
     check_writable(run_dir, info.rank)
