@@ -15,7 +15,8 @@ then `moeflow convert moeflow-to-hf --dtype fp32`. From the same trained weights
 tokens after each of two prompts: moeflow (`moeflow.generate` on the run directory), transformers
 (`generate(do_sample=False)` on the exported folder) and vLLM (`LLM.generate`, temperature 0, on the exported
 folder). The cases: the default job's model (tiny-moe, exported as Glm4MoeForCausalLM), Qwen3-MoE and Mixtral
-on moeflow's own modules, and Qwen3-MoE, a GLM-4.5-shaped model (partial RoPE, attention biases) and gpt-oss on
+on moeflow's own modules, Qwen3-MoE fine-tuned with LoRA (peft.method = 'lora', rank 8; the export folds the
+adapter into the weights), and Qwen3-MoE, a GLM-4.5-shaped model (partial RoPE, attention biases) and gpt-oss on
 transformers' own modules (model.hf_impl = 'transformers'). Head width 32: vLLM's CPU attention has no kernel for
 narrower heads.
 """
@@ -65,14 +66,16 @@ def _tiny_hf(kind: str):
     raise ValueError(kind)
 
 
-# case -> (transformers config kind or None for tiny-moe, model.hf_impl)
+LORA = ["--peft.method", "lora", "--peft.rank", "8", "--training.lr", "1e-2"]
+# case -> (transformers config kind or None for tiny-moe, model.hf_impl, more training settings)
 CASES = {
-    "tiny-moe": (None, None),
-    "qwen3_moe-native": ("qwen3_moe", "native"),
-    "mixtral-native": ("mixtral", "native"),
-    "qwen3_moe-transformers": ("qwen3_moe", "transformers"),
-    "glm4_moe-transformers": ("glm4_moe", "transformers"),
-    "gpt_oss-transformers": ("gpt_oss", "transformers"),
+    "tiny-moe": (None, None, []),
+    "qwen3_moe-native": ("qwen3_moe", "native", []),
+    "qwen3_moe-native-lora": ("qwen3_moe", "native", LORA),  # the export folds the adapter into the weights
+    "mixtral-native": ("mixtral", "native", []),
+    "qwen3_moe-transformers": ("qwen3_moe", "transformers", []),
+    "glm4_moe-transformers": ("glm4_moe", "transformers", []),
+    "gpt_oss-transformers": ("gpt_oss", "transformers", []),
 }
 
 
@@ -89,10 +92,10 @@ def train_and_export(case: str, work: Path, corpus: Path) -> tuple[Path, Path]:
     import torch
     import transformers
 
-    kind, impl = CASES[case]
+    kind, impl, more = CASES[case]
     run, exported = work / case / "run", work / case / "hf"
     args = [str(MOEFLOW), "train", "--nproc-per-node", "2", "--parallel.ep", "2", "--run_dir", str(run),
-            "--data.source", str(corpus), *TRAIN]
+            "--data.source", str(corpus), *TRAIN, *more]
     if kind is None:
         args += ["--config", str(REPO / "configs" / "default.toml")]
     else:

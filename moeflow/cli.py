@@ -192,10 +192,17 @@ def format_summary(s: dict) -> str:
                                                     if s.get("mfu") == "unknown" else "")),
         *([("data", _data_line(s["data"]))] if s.get("data") else []),
         ("checkpoint", s["checkpoint"] or "none"),
+        *([("adapter", _adapter_line(s["adapter"]))] if s.get("adapter") else []),
         *([("loss curve", s["loss_curve"])] if s.get("loss_curve") else []),
         ("metrics", f"{s['metrics']}  (TensorBoard: tensorboard --logdir {s['tensorboard']})"),
     ]
     return "\nsummary\n" + "\n".join(f"  {k:<11} {v}" for k, v in rows)
+
+
+def _adapter_line(a: dict) -> str:
+    """'runs/x/adapter (LoRA r=8, 0.05M trained params, 0.2 MB, PEFT's format)'."""
+    return (f"{a['path']} (LoRA r={a['rank']}, {a['trained_params'] / 1e6:.2f}M trained params, "
+            f"{a['bytes'] / 2**20:.1f} MB, PEFT's format)")
 
 
 def _data_line(d: dict) -> str:

@@ -210,6 +210,26 @@ class CheckpointConfig:
 
 
 @dataclass
+class PeftConfig:
+    method: str = "none"
+    """'none' trains every weight; 'lora' freezes them and trains low-rank adapters beside the layers named by
+    peft.modules (and the experts with peft.experts), saved in PEFT's format under RUN_DIR/adapter/."""
+    rank: int = 8
+    """The adapters' rank r (at most the narrowest adapted layer's width)."""
+    alpha: float = 16.0
+    """The adapters' scale is alpha / rank (peft's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (peft's lora_dropout); 0 with peft.experts = true (peft's experts adapters
+    take none)."""
+    modules: str = "auto"
+    """The linear layers that get adapters, by name (comma-separated, e.g. 'wq,wv'): 'auto' is the attention
+    projections and the SwiGLU MLPs of dense layers and shared experts; the routers (gate) and the output head
+    stay frozen and unadapted unless named."""
+    experts: bool = True
+    """Adapt the routed experts too (one adapter per expert on gate_up and on down, as peft's target_parameters)."""
+
+
+@dataclass
 class JobConfig:
     run_dir: str = "runs/default"
     """Where metrics, TensorBoard files and checkpoints go."""
@@ -221,6 +241,7 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     def validate(self) -> JobConfig:
         if self.model.hf_path:  # the architecture comes from the folder's config.json
@@ -288,7 +309,38 @@ class JobConfig:
                              f"causal attention over whole sequences, not per-document masks; set "
                              f"data.packing = false or parallel.cp = 1")
         self._validate_fault_settings()
+        self._validate_peft()
         return self
+
+    def _validate_peft(self) -> None:
+        f = self.peft
+        check_choice("peft.method", f.method, SETTINGS["peft.method"])
+        if f.method == "none":
+            return
+        if f.rank < 1:
+            raise ValueError(f"peft.rank = {f.rank}; use 1 or more (e.g. 8)")
+        if f.alpha <= 0:
+            raise ValueError(f"peft.alpha = {f.alpha}; use a positive number (e.g. 2 x peft.rank)")
+        if not 0 <= f.dropout < 1:
+            raise ValueError(f"peft.dropout = {f.dropout}; use a value in [0, 1)")
+        if f.dropout and self.model.is_moe:
+            raise ValueError(f"peft.dropout = {f.dropout} for a MoE model: peft adapts its experts (and, where "
+                             f"their names collide, its MLPs) as weights, which take no dropout, so peft could not "
+                             f"load the adapter; use peft.dropout = 0")
+        if importlib.util.find_spec("peft") is None or importlib.util.find_spec("transformers") is None:
+            raise ValueError("peft.method = 'lora' writes its adapter in PEFT's format with the peft and transformers "
+                             "packages: pip install -e .[lora] (or set peft.method = 'none')")
+        if self.model.runs_transformers:
+            raise ValueError(f"peft.method = 'lora' on transformers' own modules ({self.model.hf_path}) is not "
+                             f"supported yet; use model.hf_impl = 'native' where moeflow maps the architecture")
+        if self.training.fp8 != "none":
+            raise ValueError(f"peft.method = 'lora' with training.fp8 = {self.training.fp8!r}: the FP8 recipes "
+                             f"replace the linear layers and experts the adapters sit on; use training.fp8 = 'none'")
+        from moeflow.models import peft_format
+        from moeflow.models.lora import check_targets
+
+        check_targets(self.model, f.rank, f.modules, f.experts)  # on the meta device, as the next: no memory
+        peft_format.check(self.model, f)
 
     def _validate_fault_settings(self) -> None:
         checks = [("parallel.timeout_s", self.parallel.timeout_s > 0, "a positive number of seconds"),

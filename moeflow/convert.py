@@ -87,7 +87,7 @@ def moeflow_to_hf(src: str | Path, dst: str | Path, *, config: str | None = None
     import torch
 
     from moeflow.config import load_config
-    from moeflow.models.hf import build_empty, copy_side_files, kept_fields, read_hf_config, save_pretrained
+    from moeflow.models.hf import copy_side_files, kept_fields, read_hf_config, save_pretrained
 
     checkpoint, run_dir = _find_checkpoint(Path(src))
     config_path = Path(config) if config else run_dir / "config.toml"
@@ -103,8 +103,7 @@ def moeflow_to_hf(src: str | Path, dst: str | Path, *, config: str | None = None
     if cfg.hf_path:  # a run that started from a HF folder trained that folder's architecture
         original, cfg = read_hf_config(cfg.hf_path)
         origin = Path(cfg.hf_path)
-    model = build_empty(cfg)
-    _load_model_state(checkpoint, model)
+    model = native_model(load_config(config_path), cfg, checkpoint)
     architecture = architecture or (original.get("architectures") or [None])[0]
     dst = Path(dst)
     save_pretrained(model, cfg, dst, architecture=architecture, dtype=getattr(torch, DTYPES[dtype]),
@@ -149,6 +148,34 @@ def _find_checkpoint(src: Path) -> tuple[Path, Path]:
     if problem:
         raise ValueError(f"{src} is not a complete moeflow checkpoint: {problem}")
     return src, src.parent.parent
+
+
+def native_model(job, cfg, checkpoint: Path, dtype=None, device="cpu"):
+    """moeflow's model with a run's trained weights (`cfg`: the model config, the folder's for an HF-started
+    run). A LoRA run's checkpoint holds its adapter only: the base is rebuilt as training built it (the folder's
+    weights, or the seed's), the adapter loaded, and folded into the weights (a plain model, exported as one)."""
+    import torch
+
+    from moeflow.models.hf import build_empty
+
+    dtype = dtype or torch.float32
+    if job.peft.method == "none":
+        model = build_empty(cfg, dtype, device)
+        _load_model_state(checkpoint, model)
+        return model
+    from moeflow.models import lora
+    from moeflow.models.hf import from_pretrained
+    from moeflow.models.transformer import Transformer
+
+    if cfg.hf_path:
+        model, _ = from_pretrained(cfg.hf_path, dtype=torch.float32)
+    else:
+        model = Transformer(cfg)
+        model.init_weights(seed=job.training.seed)  # as the trainer built the base (moeflow/train/build.py)
+    p = job.peft
+    lora.add(model, p.rank, p.alpha, p.dropout, p.modules, p.experts)
+    _load_model_state(checkpoint, model)
+    return lora.merge(model).to(device=device, dtype=dtype)
 
 
 def _load_model_state(checkpoint: Path, model) -> None:

@@ -48,8 +48,8 @@ def load_model(run_dir: str | None = None, hf_path: str | None = None, dtype: st
         model, cfg = from_pretrained(hf_path, dtype=torch_dtype, device=device)
         return model.eval(), cfg, Path(hf_path), eos_ids(Path(hf_path))
     from moeflow.config import load_config
-    from moeflow.convert import _find_checkpoint, _load_model_state
-    from moeflow.models.hf import build_empty, read_hf_config
+    from moeflow.convert import _find_checkpoint, _load_model_state, native_model
+    from moeflow.models.hf import read_hf_config
 
     checkpoint, run = _find_checkpoint(Path(run_dir))
     if not (run / "config.toml").is_file():
@@ -65,8 +65,7 @@ def load_model(run_dir: str | None = None, hf_path: str | None = None, dtype: st
     if cfg.hf_path:  # a run that started from a Hugging Face folder trained that folder's architecture
         _, cfg = read_hf_config(cfg.hf_path)
         origin = Path(cfg.hf_path)
-    model = build_empty(cfg, torch_dtype, device)
-    _load_model_state(checkpoint, model)
+    model = native_model(job, cfg, checkpoint, torch_dtype, device)
     return model.eval(), cfg, tokenizer_folder(job, run, origin), eos_ids(origin) or eos_ids(run)
 
 
@@ -218,7 +217,9 @@ def add_model_source(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", help="a moeflow run directory (its newest complete checkpoint) or a step-N folder")
     src.add_argument("--hf-path", help="a Hugging Face model folder (config.json + safetensors)")
-    p.add_argument("--hf-impl", choices=("auto", "native", "transformers"), default="auto",
+    from moeflow.core.choices import HF_IMPLS
+
+    p.add_argument("--hf-impl", choices=HF_IMPLS, default="auto",
                    help="with --hf-path: moeflow's model ('native', where it maps the architecture), transformers' "
                         "own modules, or 'auto' (native where it maps)")
 

@@ -39,6 +39,7 @@ DEVICES = ("auto", "cpu", "cuda")
 TOKEN_DTYPES = ("uint16", "uint32")
 DATA_FORMATS = ("text", "chat", "instruction")
 OVERLONG = ("truncate", "drop", "error")
+PEFT_METHODS = ("none", "lora")
 
 # setting -> its choices, for the checks and --help-config
 SETTINGS: dict[str, tuple[str, ...]] = {
@@ -61,6 +62,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "data.overlong": OVERLONG,
     "parallel.ep_backend": EP_BACKENDS,
     "parallel.pp_schedule": tuple(SCHEDULES),
+    "peft.method": PEFT_METHODS,
 }
 
 

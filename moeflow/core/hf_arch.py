@@ -20,7 +20,9 @@ appear in checkpoints saved with save_original_format=False and in live modules.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from moeflow.core.model_config import ModelConfig, MoEConfig, RopeScaling
 
@@ -490,3 +492,21 @@ def mtp_rules(cfg: ModelConfig, arch: Arch, k: int, fused: bool) -> list[Rule]:
            Rule(hf + "embed_tokens.weight", "tok_embeddings.weight", transform="copy"),
            Rule(hf + "shared_head.head.weight", "output.weight", transform="copy")]
     return own + layer_rules(cfg, arch, layer, fused, mf=mf + "block.")
+
+
+def config_json(path: str | Path) -> dict:
+    """A Hugging Face folder's config.json, or a ValueError saying what the folder lacks."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"Hugging Face folder {str(folder)!r} does not exist; pass the folder holding config.json")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"{str(folder)!r} has no config.json; pass a Hugging Face model folder (config.json + *.safetensors), "
+            f"e.g. one written by transformers' save_pretrained or downloaded with `hf download`"
+        )
+    try:
+        hf = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{config_file} is not valid JSON ({e})") from None
+    return hf

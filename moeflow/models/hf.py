@@ -27,6 +27,7 @@ from moeflow.core.hf_arch import (
     arch_named,
     arch_of,
     config_from_hf,
+    config_json,
     config_to_hf,
     ignored_on_load,
     infer_arch,
@@ -57,7 +58,7 @@ KEPT_HF_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "sliding_windo
 def read_hf_config(path: str | Path) -> tuple[dict, ModelConfig]:
     """(config.json as a dict, the moeflow ModelConfig that computes the same model)."""
     folder = Path(path)
-    hf = _config_json(folder)
+    hf = config_json(folder)
     cfg = config_from_hf(hf)
     cfg.hf_path = str(folder)
     if cfg.mtp_depth and not _holds_mtp_layers(folder, hf):
@@ -65,24 +66,6 @@ def read_hf_config(path: str | Path) -> tuple[dict, ModelConfig]:
         # tensors: such a checkpoint is the main model only.
         cfg.mtp_depth = 0
     return hf, cfg
-
-
-def _config_json(path: str | Path) -> dict:
-    """A Hugging Face folder's config.json, or a ValueError saying what the folder lacks."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(f"Hugging Face folder {str(folder)!r} does not exist; pass the folder holding config.json")
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ValueError(
-            f"{str(folder)!r} has no config.json; pass a Hugging Face model folder (config.json + *.safetensors), "
-            f"e.g. one written by transformers' save_pretrained or downloaded with `hf download`"
-        )
-    try:
-        hf = json.loads(config_file.read_text())
-    except ValueError as e:
-        raise ValueError(f"{config_file} is not valid JSON ({e})") from None
-    return hf
 
 
 def _holds_mtp_layers(folder: Path, hf: dict) -> bool:
@@ -116,7 +99,7 @@ def training_config(cfg: ModelConfig) -> ModelConfig:
     (moeflow/models/hf_transformers.py) it describes transformers' model instead."""
     from moeflow.models import hf_transformers
 
-    hf = _config_json(cfg.hf_path)
+    hf = config_json(cfg.hf_path)
     if hf_transformers.resolve_impl(cfg, hf) == "transformers":
         weight_files(Path(cfg.hf_path))  # a missing shard is named here, before any process starts
         described = hf_transformers.describe(hf, cfg.hf_path)

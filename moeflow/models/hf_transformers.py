@@ -20,13 +20,13 @@ planner and the resume check); it builds nothing.
 from __future__ import annotations
 
 import inspect
-import json
 import weakref
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from moeflow.core.hf_arch import config_json
 from moeflow.core.model_config import ModelConfig, MoEConfig
 
 # config.json keys of the same quantity under the names different architectures use, in order of preference
@@ -83,14 +83,10 @@ def causal_lm_refusal(hf: dict) -> str | None:
     model_type = hf.get("model_type")
     named = (hf.get("architectures") or [model_type])[0]
     kind = "an encoder-decoder model" if hf.get("is_encoder_decoder") else "not a causal language model"
-    return (f"config.json describes {named!r} (model_type {model_type!r}), {kind} in transformers "
-            f"{_transformers_version()}; moeflow trains decoder LMs (a *ForCausalLM)")
-
-
-def _transformers_version() -> str:
     import transformers
 
-    return transformers.__version__
+    return (f"config.json describes {named!r} (model_type {model_type!r}), {kind} in transformers "
+            f"{transformers.__version__}; moeflow trains decoder LMs (a *ForCausalLM)")
 
 
 def resolve_impl(cfg: ModelConfig, hf: dict) -> str:
@@ -138,7 +134,8 @@ def describe(hf: dict, folder: str = "") -> ModelConfig:
 
 
 def read_config(folder: str | Path) -> dict:
-    return json.loads((Path(folder) / "config.json").read_text())
+    """config.json of a Hugging Face folder (a ValueError saying what the folder lacks)."""
+    return config_json(folder)
 
 
 def architecture_of(folder: str | Path) -> str:
@@ -207,6 +204,8 @@ class GenerationModel(nn.Module):
         super().__init__()
         self.hf, self.cfg = model, cfg
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # transformers 5.24 renamed past_key_values to cache (the old name still works, with a warning)
+        self._cache_key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def forward(self, ids: torch.Tensor, cache=None, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,8 +213,6 @@ class GenerationModel(nn.Module):
             return logits(self.hf, ids, positions, document_ids)
         # the first call lets the model make its own cache (some architectures have a class of their own)
         past = self._caches.get(cache)
-        # transformers 5.24 renamed past_key_values to cache (the old name still works, with a warning)
-        key = "cache" if "cache" in inspect.signature(self.hf.forward).parameters else "past_key_values"
-        out = self.hf(input_ids=ids, use_cache=True, **({key: past} if past is not None else {}))
+        out = self.hf(input_ids=ids, use_cache=True, **({self._cache_key: past} if past is not None else {}))
         self._caches[cache] = out.past_key_values
         return out.logits

@@ -415,6 +415,8 @@ class GroupedExperts(nn.Module):
         self.group_alignment = 1
         # torchao's FP8/MXFP8 grouped GEMMs want the right operand column-major (they assert it); also set there.
         self.column_major_weights = False
+        # alpha / r of a LoRA adapter on these experts (moeflow/models/lora.py adds its factors); 0: none.
+        self.lora_scale = 0.0
 
     def resolve_impl(self, x: torch.Tensor) -> str:
         misaligned = grouped_mm_alignment_error(self.dim, self.hidden, x.element_size(), str(x.dtype))
@@ -431,8 +433,17 @@ class GroupedExperts(nn.Module):
             return "bmm"
         return impl
 
+    def lora_deltas(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The LoRA adapter's change to (w1, w3, w2): factors of gate_up [E, 2F, D] and down [E, D, F], the
+        layouts of a Hugging Face experts module, in which peft adapts them (moeflow/models/lora.py)."""
+        gate_up_E2FD = self.lora_scale * self.lora_gate_up_B @ self.lora_gate_up_A
+        down_EDF = self.lora_scale * self.lora_down_B @ self.lora_down_A
+        return gate_up_E2FD[:, :self.hidden].mT, gate_up_E2FD[:, self.hidden:].mT, down_EDF.mT
+
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = self.w1, self.w3, self.w2
+        if self.lora_scale:
+            w1, w3, w2 = (w + d for w, d in zip((w1, w3, w2), self.lora_deltas()))
         if self.column_major_weights:
             w1, w3, w2 = (w.mT.contiguous().mT for w in (w1, w3, w2))
         if self.group_alignment > 1:

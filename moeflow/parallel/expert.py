@@ -120,9 +120,16 @@ def local_experts(full: GroupedExperts, rank: int, num_ranks: int) -> GroupedExp
     L = full.num_experts // num_ranks
     with torch.device(full.w1.device):
         local = GroupedExperts(L, full.dim, full.hidden, impl=full.impl, expert_offset=rank * L)
+    weights = [n for n, _ in full.named_parameters()]  # w1, w3, w2 and a LoRA adapter's factors, all [E, ...]
+    for name in weights:
+        whole = getattr(full, name)
+        if not hasattr(local, name):
+            setattr(local, name, nn.Parameter(whole.new_empty(L, *whole.shape[1:]), whole.requires_grad))
+        getattr(local, name).requires_grad_(whole.requires_grad)
+    local.lora_scale = full.lora_scale
     if full.w1.device.type != "meta":
         with torch.no_grad():
-            for name in ("w1", "w3", "w2"):
+            for name in weights:
                 getattr(local, name).copy_(getattr(full, name)[rank * L:(rank + 1) * L])
     return local
 

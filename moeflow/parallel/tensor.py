@@ -454,6 +454,27 @@ def _spread(moe) -> bool:
     return not isinstance(moe.dispatcher, LocalDispatcher)
 
 
+def _place_lora_factors(model: nn.Module, tp_mesh) -> None:
+    """A LoRA adapter's factors (moeflow/models/lora.py) sharded as its layer's weight: a column-sharded layer's B
+    by rows and A whole, a row-sharded layer's A by columns and B whole, so that the adapter's output is sharded
+    (or partial) as the layer's. The styles shard every parameter of a column layer by rows and leave a row
+    layer's extra parameters alone."""
+    from moeflow.models.lora import LoRALinear
+
+    for module in model.modules():
+        if not (isinstance(module, LoRALinear) and isinstance(module.weight, DTensor)):
+            continue
+        by_rows = module.weight.placements[0] == Shard(0)
+        placements = {"lora_A": Replicate() if by_rows else Shard(1), "lora_B": Shard(0) if by_rows else Replicate()}
+        for name, placement in placements.items():
+            factor = getattr(module, name)
+            whole = factor.full_tensor() if isinstance(factor, DTensor) else factor
+            # (every rank holds the same factors here: zeros until moeflow.models.lora.init sets them)
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(whole.detach(), tp_mesh, [placement], src_data_rank=None),
+                requires_grad=factor.requires_grad))
+
+
 def _check_sequence_divisible(tp: int):
     def hook(module, args, kwargs):
         tokens = args[0] if args else kwargs.get("input_ids")
@@ -486,7 +507,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, ParallelSty
         plan = tp_plan(model, loss_parallel=loss_parallel, fold_experts=fold_experts)
     _check_plan_covers(model, plan)
     ties = _tied_parameters(model)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, plan)
+    _place_lora_factors(model, tp_mesh)
+    for name, param in model.named_parameters():  # the styles re-create parameters trainable (a LoRA's base is not)
+        if name in frozen:
+            param.requires_grad_(False)
     _retie(model, ties)
     _broadcast_replicated(model, tp_mesh)
     model.register_forward_pre_hook(_check_sequence_divisible(tp), with_kwargs=True, prepend=True)

@@ -76,6 +76,8 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
         model = Transformer(cfg.model)
         model.init_weights(seed=t.seed)  # identical on every rank before sharding
         model.to(device)
+    if cfg.peft.method == "lora":  # before parallelize, which places the factors with the weights they adapt
+        add_lora(model, cfg.peft)
     par = parallelize(model, dims, parallel_options(cfg, batch, dims, device))
     bytes_read = None
     if owned_read:
@@ -83,8 +85,25 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
 
         model.to_empty(device=device)
         bytes_read = load_owned(model, cfg.model)
+    if cfg.peft.method == "lora" and device.type != "meta":
+        init_lora(par.model, cfg)
     optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2)) if with_optimizer else None
     return par, optimizer, bytes_read
+
+
+def add_lora(model: torch.nn.Module, peft) -> None:
+    from moeflow.models import lora
+
+    lora.add(model, peft.rank, peft.alpha, peft.dropout, peft.modules, peft.experts)
+
+
+def init_lora(model: torch.nn.Module, cfg: JobConfig) -> None:
+    """The adapters' one-process initial values, each rank's part of them (moeflow/models/lora.py)."""
+    from moeflow.models import lora
+    from moeflow.train.state_dict import expert_slices
+
+    num_experts = cfg.model.moe.num_experts if cfg.model.is_moe else 0
+    lora.init([model], cfg.training.seed, expert_slices([model]), num_experts)
 
 
 def describe_layout(cfg: JobConfig, dims: ParallelDims, par: ParallelState) -> str:

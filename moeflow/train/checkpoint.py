@@ -20,6 +20,7 @@ import re
 import shutil
 import threading
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moeflow.models.lora import is_factor
 from moeflow.train import state_dict
 from moeflow.train.distributed import barrier, broadcast_object
 from moeflow.train.faults import CheckpointWriteError, inject_before_commit
@@ -92,6 +94,37 @@ def load_state(path: Path, parts: list, optimizer, fix: str, model_only: bool = 
     state_dict.apply(parts, optimizer, flat)
 
 
+def read_factors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """{moeflow fqn: whole factor} from a checkpoint (experts' factors reassembled from their per-expert keys)."""
+    meta = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    flat = {k: torch.empty(m.size, dtype=m.properties.dtype, device="cpu") for k, m in meta.items()
+            if k.startswith("model.") and hasattr(m, "size") and _factor_name(k) is not None}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(flat, checkpoint_id=str(checkpoint), no_dist=True)
+    experts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    out = {}
+    for key, tensor in flat.items():
+        fqn = key.removeprefix("model.")
+        name = _factor_name(key)
+        if name == fqn:
+            out[fqn] = tensor
+        else:  # <fqn>.<global expert id>
+            experts[name][int(fqn.rsplit(".", 1)[1])] = tensor
+    for fqn, by_id in experts.items():
+        out[fqn] = torch.stack([by_id[i] for i in range(len(by_id))])
+    return out
+
+
+def _factor_name(key: str) -> str | None:
+    """The factor's fqn for a checkpoint key (with or without a trailing expert id), None if not a factor."""
+    fqn = key.removeprefix("model.")
+    if is_factor(fqn):
+        return fqn
+    head, _, tail = fqn.rpartition(".")
+    return head if tail.isdigit() and is_factor(head) else None
+
+
 def check_writable(run_dir: str | Path, rank: int) -> None:
     """Fail on every rank before the first step when rank 0 cannot write the run dir (a read-only or full disk),
     rather than after a checkpoint interval of work that could not be kept."""
@@ -134,9 +167,10 @@ class _Pending:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: str | Path, keep: int, rank: int, async_save: bool = False):
+    def __init__(self, run_dir: str | Path, keep: int, rank: int, async_save: bool = False, on_commit=None):
         self.root = Path(run_dir) / "checkpoints"
         self.keep, self.rank, self.async_save = keep, rank, async_save
+        self.on_commit = on_commit  # rank 0, each committed checkpoint's folder (a LoRA run writes its adapter)
         self.pending: _Pending | None = None  # an async save in flight
         # The background write runs its collectives on a group of its own (gloo: it works on host copies).
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
@@ -280,6 +314,8 @@ class CheckpointManager:
         _fsync_dir(self.root)
         for _, old in self.complete_checkpoints()[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
+        if self.on_commit is not None:
+            self.on_commit(final)
 
     def load(self, path: Path, model, optimizer) -> dict:
         extra = json.loads((path / "extra.json").read_text())

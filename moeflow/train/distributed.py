@@ -48,19 +48,17 @@ FLIGHT_RECORDER_ENTRIES = 2000
 FLIGHT_RECORDER_FILE = "nccl-trace-rank"  # RUN_DIR/nccl-trace-rank<N>, beside the hang-rank<N>.txt files
 
 
-def set_flight_recorder_env(run_dir: str | os.PathLike, environ=os.environ) -> dict[str, str]:
+def set_flight_recorder_env(run_dir: str | os.PathLike, environ=os.environ) -> None:
     """The flight recorder's environment for an NCCL run writing to `run_dir` (before the process group exists,
-    which reads it once); returns what it set. Read a dump with `python -m torch.distributed.flight_recorder.fr_trace
+    which reads it once). Read a dump with `python -m torch.distributed.flight_recorder.fr_trace
     RUN_DIR --prefix nccl-trace-rank`."""
     wanted = {("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): str(FLIGHT_RECORDER_ENTRIES),
               ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
               ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
                   os.path.join(os.path.abspath(run_dir), FLIGHT_RECORDER_FILE)}
-    done = {}
     for names, value in wanted.items():
         if not any(name in environ for name in names):
-            environ[names[0]] = done[names[0]] = value
-    return done
+            environ[names[0]] = value
 
 
 def init_distributed(device_pref: str = "auto", timeout_s: float = 300, run_dir: str | None = None) -> DistInfo:

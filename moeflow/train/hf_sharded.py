@@ -23,6 +23,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from moeflow.core.hf_arch import arch_of, tensor_rules
 from moeflow.core.model_config import ModelConfig
 from moeflow.models.hf import _check_names, copy_into, hf_shape, read_header, read_hf_config, weight_files
+from moeflow.models.lora import is_factor
 from moeflow.train.state_dict import expert_slices
 
 
@@ -61,7 +62,7 @@ def load_owned(model: torch.nn.Module, cfg: ModelConfig) -> int:
                                  f"{hf_shape(r, state[r.mf].shape)} for {r.mf}; does config.json match the weights?")
     filled = {r.mf for rs in by_name.values() for r in rs}
     unfilled = [k for k in state if k not in filled and not k.endswith("router.expert_bias")
-                and not (cfg.tie_embeddings and k == "output.weight")]
+                and not (cfg.tie_embeddings and k == "output.weight") and not is_factor(k)]  # (LoRA: set after)
     if unfilled:
         raise ValueError(f"no tensor in {folder} fills {unfilled[:3]} ({len(unfilled)} in all); is it a "
                          f"complete {arch.name if hasattr(arch, 'name') else 'model'} checkpoint?")

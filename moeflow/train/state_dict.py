@@ -9,6 +9,8 @@ Two things DCP cannot reshard on its own, handled here:
 - Experts under expert parallelism (moeflow's GroupedExperts and transformers' experts modules): each EP
   rank holds a different slice [E/ep, ...] under the same name. They are stored one expert per key
   (`<fqn>.<global expert id>`) under every layout, so a checkpoint from ep=2 loads under ep=4 or ep=1.
+- A LoRA run (moeflow/models/lora.py) stores its adapter factors only: the frozen base is rebuilt from where
+  it came from (the seed or model.hf_path), never re-saved.
 - Parameters spread over several stage modules (pipeline parallelism) and optimizers that hold only
   a partition of the state (ZeRO-1): both are handled by walking parameters by identity rather than
   asking torch for one module's state dict.
@@ -20,9 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from moeflow.models import lora
 from moeflow.parallel.fp8 import high_precision
-
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
 def expert_slices(parts: list[nn.Module]) -> dict[str, tuple[int, int]]:
@@ -34,11 +35,19 @@ def expert_slices(parts: list[nn.Module]) -> dict[str, tuple[int, int]]:
     for part in parts:
         out.update(hf_expert_slices(part))  # transformers' own experts modules (model.hf_impl = 'transformers')
         for name, module in part.named_modules():
-            if isinstance(module, GroupedExperts):
+            if isinstance(module, GroupedExperts):  # w1, w2, w3 and a LoRA adapter's factors: all [E, ...]
                 first = getattr(module, "expert_offset", 0)
-                for w in EXPERT_WEIGHTS:
+                for w, _ in module.named_parameters(recurse=False):
                     out[f"{name}.{w}"] = (first, module.num_experts)
     return out
+
+
+def model_state(part: nn.Module) -> dict[str, torch.Tensor]:
+    """The part's tensors a checkpoint holds: all of its state dict, or a LoRA run's adapter factors."""
+    state = part.state_dict()
+    if any(lora.is_factor(k) for k in state):
+        return {k: v for k, v in state.items() if lora.is_factor(k)}
+    return state
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -81,7 +90,7 @@ def gather(parts: list[nn.Module], optimizer) -> dict[str, torch.Tensor]:
             flat[f"{key}.{expert}"] = full[i].to("cpu", copy=True)
 
     for part in parts:
-        for fqn, value in part.state_dict().items():
+        for fqn, value in model_state(part).items():
             put(f"model.{fqn}", fqn, value)
     for p, fqn in _optimizer_params(parts, optimizer):
         for k, v in optimizer.state.get(p, {}).items():
@@ -108,7 +117,7 @@ def placeholders(parts: list[nn.Module], optimizer, saved_keys: set[str]) -> dic
             flat[f"{key}.{expert}"] = torch.empty(like.shape[1:], dtype=like.dtype, device="cpu")
 
     for part in parts:
-        for fqn, value in part.state_dict().items():
+        for fqn, value in model_state(part).items():
             want(f"model.{fqn}", fqn, value)
     params = _optimizer_params(parts, optimizer)
     for p, fqn in params:
@@ -140,8 +149,9 @@ def apply(parts: list[nn.Module], optimizer, flat: dict[str, torch.Tensor]) -> N
         return full.to(like.device)
 
     for part in parts:
-        sd = {fqn: take(f"model.{fqn}", fqn, v) for fqn, v in part.state_dict().items()}
-        part.load_state_dict(sd)
+        sd = {fqn: take(f"model.{fqn}", fqn, v) for fqn, v in model_state(part).items()}
+        missing, _ = part.load_state_dict(sd, strict=False)
+        assert set(missing) == set(part.state_dict()) - set(sd), missing
     for p, fqn in _optimizer_params(parts, optimizer):
         prefix = f"optim.state.{fqn}."
         state_keys = _state_keys(flat, prefix)

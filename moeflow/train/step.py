@@ -165,8 +165,9 @@ def _route_next_step(cfg: JobConfig, s: Setup, layers: list[int], sums: Sums,
     copies = s.par.dims.moe_token_copies
     routers = router_layers([s.model])
     loads_LE = sums.on_device("loads") / copies
-    for layer, router in routers.items():
-        router.update_bias(loads_LE[layers.index(layer)])
+    if cfg.peft.method == "none":  # a LoRA run keeps the base, the routers' selection biases included, frozen
+        for layer, router in routers.items():
+            router.update_bias(loads_LE[layers.index(layer)])
     if not with_moe_stats:
         return None
     host_loads_LE = torch.tensor(sums["loads"], device="cpu") / copies  # from the host copy (no device read)

@@ -8,6 +8,7 @@ its contiguous share, splits it into micro-batches, and the parallel layout aver
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -65,6 +66,7 @@ class RunSummary:
     hf_bytes_read_rank0: int | None  # set when each rank read its own Hugging Face shards
     data: dict | None  # records, truncated conversations, packing fill (token cache path)
     loss_curve: str | None  # loss.png (rank 0; None where nothing was logged)
+    adapter: dict | None = None  # a LoRA run's RUN_DIR/adapter/ (rank 0): path, rank, trained params, bytes
 
 
 def summary_json(summary: RunSummary) -> dict:
@@ -87,7 +89,8 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
     if cfg.training.deterministic:
         make_deterministic()
     s = build(cfg, info, dims, batch)
-    ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep_last, info.rank, cfg.checkpoint.async_save)
+    ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep_last, info.rank, cfg.checkpoint.async_save,
+                             on_commit=_adapter_writer(cfg) if cfg.peft.method == "lora" else None)
     start, resumed_from = _resume(cfg, s, ckpt, resume, fresh)
     if info.is_main:
         _truncate_metrics(run_dir / "metrics.jsonl", start)  # lines the resumed (or fresh) run will log again
@@ -105,6 +108,15 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
     if info.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _adapter_writer(cfg: JobConfig):
+    """RUN_DIR/adapter/ in PEFT's format from each committed checkpoint (rank 0; moeflow/models/peft_format.py)."""
+    from moeflow.models.peft_format import ADAPTER_DIR, write_adapter
+    from moeflow.train.checkpoint import read_factors
+
+    return lambda checkpoint: write_adapter(read_factors(checkpoint), cfg.model, cfg.peft,
+                                            Path(cfg.run_dir) / ADAPTER_DIR)
 
 
 def _resume(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, resume: bool, fresh: bool):
@@ -246,7 +258,23 @@ def _summary(cfg: JobConfig, s: Setup, start: int, loop: LoopState, resumed_from
         state_bytes_per_rank=state_bytes(s, loop.grad_bytes) if ran else None,
         hf_bytes_read_rank0=s.hf_bytes_read, data=s.data_summary or None,
         loss_curve=_loss_curve(run_dir) if s.info.is_main else None,
+        adapter=_adapter_summary(cfg) if s.info.is_main and cfg.peft.method == "lora" else None,
     )
+
+
+def _adapter_summary(cfg: JobConfig) -> dict | None:
+    from moeflow.models.peft_format import ADAPTER_DIR, ADAPTER_WEIGHTS
+
+    weights = Path(cfg.run_dir) / ADAPTER_DIR / ADAPTER_WEIGHTS
+    if not weights.is_file():  # no checkpoint committed yet
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return {"path": str(weights.parent), "rank": cfg.peft.rank, "trained_params": params,
+            "bytes": weights.stat().st_size}
+
 
 
 def _loss_curve(run_dir: Path) -> str | None:

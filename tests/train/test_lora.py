@@ -1,0 +1,182 @@
+"""LoRA (`peft.method = 'lora'`) against peft itself: moeflow's adapted forward equals PeftModel's on the same base
+and adapter weights for dense, MoE and MLA architectures; a run from a Hugging Face folder trains the adapters
+only (the base bit-identical, no gradient or optimizer state for it, checkpoints without it) and writes
+RUN_DIR/adapter/ that PeftModel loads with moeflow's loss; ep=2, dp=2 ZeRO-3, pp=2, tp=2, cp=2, ep=2 with
+recomputation and a stop under ep=2 resumed in one process train the one-process losses and gradient norms; bad
+settings are one line before any rank."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from moeflow.config import load_config  # noqa: E402
+from moeflow.models import lora  # noqa: E402
+from moeflow.models.hf import from_pretrained  # noqa: E402
+from moeflow.models.peft_format import write_adapter  # noqa: E402
+from moeflow.train.trainer import train  # noqa: E402
+from tests.support.hf_models import V, hf_configs, randomize  # noqa: E402
+
+REL = 1e-5
+
+
+def _folder(path, name: str):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_configs()[name]).float()
+    randomize(model, seed=1)
+    model.save_pretrained(path)
+    np.random.default_rng(0).integers(0, V, 20000).astype(np.uint16).tofile(path / "tokens.bin")
+    return path
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    # GLM-4.5-shaped: a dense first layer, shared experts, selection biases; two kv heads (tp = 2 divides them)
+    return _folder(tmp_path_factory.mktemp("glm4-moe"), "glm4_moe")
+
+
+def _overrides(folder, run_dir, **more) -> dict:
+    return {"model.hf_path": str(folder), "data.source": str(folder / "tokens.bin"), "data.seq_len": 16,
+            "training.global_batch": 4, "training.steps": 4, "training.lr": 1e-2, "eval.every": 0,
+            "metrics.tensorboard": False, "metrics.log_every": 1, "checkpoint.every": 2, "run_dir": str(run_dir),
+            "peft.method": "lora", "peft.rank": 4, "peft.alpha": 8.0, **more}
+
+
+def _steps(run_dir) -> list[tuple[float, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["loss"], r["grad_norm"]) for r in rows]
+
+
+def _loss(model, ids) -> float:
+    with torch.no_grad():
+        out = model(ids[:, :-1])
+        return float(F.cross_entropy(getattr(out, "logits", out).flatten(0, 1), ids[0, 1:]))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"])
+def test_the_adapted_forward_is_peft_model_s(tmp_path, name):
+    """Random factors (B nonzero), written in PEFT's format and loaded by PeftModel.from_pretrained on the folder:
+    the same logits (the experts' factors in peft's [E * r, in] / [out, r * E] layout, dense MLPs by weight where
+    peft reads their names as experts')."""
+    folder = _folder(tmp_path / "base", name)
+    model, cfg = from_pretrained(folder, dtype=torch.float32)
+    job = load_config(None, _overrides(folder, tmp_path / "run"))
+    lora.add(model, 4, 8.0, 0.0, "auto", True)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if lora.is_factor(n):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    factors = {n: p.detach() for n, p in model.named_parameters() if lora.is_factor(n)}
+    assert any("experts.lora" in n for n in factors) == cfg.is_moe
+    out = write_adapter(factors, job.model, job.peft, tmp_path / "adapter")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(base, out).eval()
+    ids = torch.randint(0, V, (2, 12), generator=gen)
+    with torch.no_grad():
+        ours, want = model(ids), theirs(ids).logits
+        untouched = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(ids).logits
+    assert (want - untouched).abs().max() > 0.1  # the adapter changes the output
+    torch.testing.assert_close(ours, want, rtol=REL, atol=REL * want.abs().max().item())
+
+
+def test_a_run_trains_the_adapters_only_and_peft_loads_them(folder, tmp_path):
+    from moeflow.generate import load_model
+    from moeflow.train.build import build
+    from moeflow.train.distributed import DistInfo
+    from moeflow.train.step import train_step
+
+    cfg = load_config(None, _overrides(folder, tmp_path / "one"))
+    s = build(cfg, DistInfo(0, 1, 0, torch.device("cpu")), *cfg.layout(1))
+    before = {n: p.detach().clone() for n, p in s.model.named_parameters()}
+    biases = {n: b.clone() for n, b in s.model.named_buffers() if n.endswith("expert_bias")}
+    assert biases
+    for _ in range(2):
+        train_step(cfg, s, with_moe_stats=False, measure=False, per_rank=lambda: {"peak_memory_mb": 0.0})
+    assert all(lora.is_factor(n) == p.requires_grad for n, p in s.model.named_parameters())
+    assert {id(p) for p in s.optimizer.state} == {id(p) for n, p in s.model.named_parameters() if lora.is_factor(n)}
+    for n, p in s.model.named_parameters():
+        changed = not torch.equal(p, before[n])
+        assert changed == lora.is_factor(n), n  # the base bit-identical, every factor trained
+    for n, b in s.model.named_buffers():
+        if n in biases:
+            assert torch.equal(b, biases[n]), n  # the routers' selection biases are the base's too
+
+    train(cfg, fresh=True, progress=False)
+    run = tmp_path / "one"
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(run / "checkpoints" / "step-4")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all("lora_" in k for k in model_keys)  # the base is not re-saved
+    ids = torch.from_numpy(np.fromfile(folder / "tokens.bin", dtype=np.uint16)[:33].astype(np.int64))[None]
+    ours, *_ = load_model(str(run))
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    untouched = _loss(base, ids)
+    theirs = peft.PeftModel.from_pretrained(base, run / "adapter").eval()
+    assert _loss(theirs, ids) == pytest.approx(_loss(ours, ids), rel=REL)
+    assert abs(_loss(theirs, ids) - untouched) > 1e-3
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(folder) and config["r"] == 4
+
+    from moeflow.cli import main as cli_main
+
+    out = tmp_path / "merged"
+    assert cli_main(["convert", "moeflow-to-hf", str(run), str(out), "--dtype", "fp32"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert _loss(merged, ids) == pytest.approx(_loss(ours, ids), rel=REL)
+
+
+def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_path):
+    from tests.parallel.layout_worker import launch
+
+    train(load_config(None, _overrides(folder, tmp_path / "one")), fresh=True, progress=False)
+    argv = lambda run, **more: [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / run, **more).items()]
+    results = launch(2, [("ep2", argv("ep2", **{"parallel.ep": 2}), str(tmp_path / "ep2"), False),
+                         ("dp2", argv("dp2", **{"parallel.zero": 3}), str(tmp_path / "dp2"), False),
+                         ("pp2", argv("pp2", **{"parallel.pp": 2}), str(tmp_path / "pp2"), False),
+                         ("cp2", argv("cp2", **{"parallel.cp": 2}), str(tmp_path / "cp2"), False),
+                         ("tp2", argv("tp2", **{"parallel.tp": 2}), str(tmp_path / "tp2"), False),
+                         ("ep2-recompute", argv("ep2-recompute", **{"parallel.ep": 2,
+                                                                    "training.activation_checkpointing": "full"}),
+                          str(tmp_path / "ep2-recompute"), False),
+                         ("stop", argv("stop", **{"parallel.ep": 2, "training.stop_at": 2}), str(tmp_path / "stop"),
+                          False)])
+    assert set(results.values()) == {"ok"}, results
+    train(load_config(None, _overrides(folder, tmp_path / "stop")), resume=True, progress=False)  # 1 process
+    want = np.array(_steps(tmp_path / "one"))
+    for run in results:
+        np.testing.assert_allclose(np.array(_steps(tmp_path / run)), want, rtol=REL, err_msg=run)
+    # --fresh on an adapter run starts the adapters again on the same base
+    train(load_config(None, _overrides(folder, tmp_path / "stop")), fresh=True, progress=False)
+    np.testing.assert_allclose(np.array(_steps(tmp_path / "stop")), want, rtol=REL)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"peft.rank": 0}, r"peft.rank = 0; use 1 or more"),
+    ({"peft.rank": 17}, r"peft.rank = 17 is above the width of experts \(16\), the narrowest adapted layer; use "
+                        r"peft.rank <= 16"),
+    ({"peft.rank": 17, "peft.experts": False}, None),  # the narrowest is then wk (24)
+    ({"peft.modules": "wq,q_proj"}, r"peft.modules = 'wq,q_proj': this model has no linear layer named 'q_proj'; "
+                                    r"it has gate, output, w1, w2, w3, wk, wo, wq, wv"),
+    ({"training.fp8": "tensorwise"}, r"peft.method = 'lora' with training.fp8 = 'tensorwise'"),
+    ({"peft.dropout": 0.1}, r"peft.dropout = 0.1 for a MoE model"),
+    ({"peft.method": "qlora"}, r"peft.method"),
+])
+def test_bad_settings_are_one_line_before_any_rank(folder, tmp_path, changes, message):
+    def check():
+        load_config(None, _overrides(folder, tmp_path / "r", **changes)).layout(2)
+
+    if message is None:
+        check()
+        return
+    with pytest.raises(ValueError, match=message) as e:
+        check()
+    assert "\n" not in str(e.value)
