@@ -420,6 +420,9 @@ class GroupedExperts(nn.Module):
 
     def resolve_impl(self, x: torch.Tensor) -> str:
         misaligned = grouped_mm_alignment_error(self.dim, self.hidden, x.element_size(), str(x.dtype))
+        if self.lora_scale and not misaligned:  # a LoRA adapter's rank is a matmul width too
+            misaligned = grouped_mm_alignment_error(self.dim, self.lora_down_A.shape[1], x.element_size(),
+                                                    str(x.dtype))
         if self.impl != "auto":
             if self.impl == "grouped_mm" and misaligned:
                 raise ValueError(misaligned)
@@ -442,14 +445,14 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = self.w1, self.w3, self.w2
-        if self.lora_scale:
-            w1, w3, w2 = (w + d for w, d in zip((w1, w3, w2), self.lora_deltas()))
+        lora = (self.lora_scale, self.lora_gate_up_A, self.lora_gate_up_B, self.lora_down_A,
+                self.lora_down_B) if self.lora_scale else None
         if self.column_major_weights:
             w1, w3, w2 = (w.mT.contiguous().mT for w in (w1, w3, w2))
         if self.group_alignment > 1:
             x_ND, counts_E, rows_N = pad_groups(x_ND, counts_E, self.group_alignment)
-            return expert_matmuls(x_ND, counts_E, w1, w3, w2, self.resolve_impl(x_ND)).index_select(0, rows_N)
-        return expert_matmuls(x_ND, counts_E, w1, w3, w2, self.resolve_impl(x_ND))
+            return expert_matmuls(x_ND, counts_E, w1, w3, w2, self.resolve_impl(x_ND), lora).index_select(0, rows_N)
+        return expert_matmuls(x_ND, counts_E, w1, w3, w2, self.resolve_impl(x_ND), lora)
 
 
 def pad_groups(x_ND: torch.Tensor, counts_E: torch.Tensor, alignment: int):
@@ -469,28 +472,51 @@ def pad_groups(x_ND: torch.Tensor, counts_E: torch.Tensor, alignment: int):
     return x_ND.new_zeros(P, x_ND.shape[1]).index_copy(0, rows_N, x_ND), padded_E, rows_N
 
 
-def expert_matmuls(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD, impl: str) -> torch.Tensor:
-    """The three expert matmuls for rows sorted by expert, by one of the grouped paths (all agree)."""
+def expert_matmuls(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD, impl: str, lora: tuple | None = None) -> torch.Tensor:
+    """The three expert matmuls for rows sorted by expert, by one of the grouped paths (all agree).
+
+    `lora`: (scale, gate_up_A [E, r, D], gate_up_B [E, 2F, r], down_A [E, r, F], down_B [E, D, r]), a LoRA
+    adapter computed on the rows (x A^T B^T): the frozen weights then need no gradient of their own, and no
+    [E, D, F] delta is built (moeflow/models/lora.py)."""
+    weights = (w1_EDF, w3_EDF, w2_EFD) + (tuple(lora[1:]) if lora else ())
     if x_ND.shape[0] == 0:
         # No rows: still touch the weights so every rank's backward produces (zero) expert gradients.
-        return x_ND.new_zeros((0, w2_EFD.shape[-1])) + 0.0 * (w1_EDF.sum() + w3_EDF.sum() + w2_EFD.sum())
+        return x_ND.new_zeros((0, w2_EFD.shape[-1])) + 0.0 * sum(w.sum() for w in weights)
     dtype = x_ND.dtype
+    mm = _grouped_matmul(x_ND, counts_E, impl)
     w1_EDF, w3_EDF, w2_EFD = w1_EDF.to(dtype), w3_EDF.to(dtype), w2_EFD.to(dtype)
+    h1_NF, h3_NF = mm(x_ND, w1_EDF), mm(x_ND, w3_EDF)
+    if lora:
+        scale, gate_up_A, gate_up_B, down_A, down_B = (lora[0], *(w.to(dtype) for w in lora[1:]))
+        gate_up_N2F = scale * mm(mm(x_ND, gate_up_A.mT), gate_up_B.mT)
+        h1_NF, h3_NF = h1_NF + gate_up_N2F[:, :h1_NF.shape[1]], h3_NF + gate_up_N2F[:, h1_NF.shape[1]:]
+    h_NF = _swiglu(h1_NF, h3_NF)
+    y_ND = mm(h_NF, w2_EFD)
+    if lora:
+        y_ND = y_ND + scale * mm(mm(h_NF, down_A.mT), down_B.mT)
+    if impl == "grouped_mm" and y_ND.requires_grad:  # grouped_mm's backward rejects a stride-0 gradient (y.sum())
+        y_ND.register_hook(lambda g: g.contiguous())
+    return y_ND
+
+
+def _grouped_matmul(x_ND, counts_E, impl: str):
+    """rows, w [E, I, O] -> each expert's rows times its matrix, for rows sorted by expert (`impl`'s way); the
+    bookkeeping (offsets, padded slots, segment lengths) is done once for all the layer's matmuls."""
     if impl == "grouped_mm":
         offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
         # torch._grouped_mm rather than F.grouped_mm: torchao's FP8/MXFP8 weight wrappers intercept this op by name
-        h_NF = _swiglu(torch._grouped_mm(x_ND, w1_EDF, offs=offs_E), torch._grouped_mm(x_ND, w3_EDF, offs=offs_E))
-        y_ND = torch._grouped_mm(h_NF, w2_EFD, offs=offs_E)
-        if y_ND.requires_grad:  # grouped_mm's backward rejects a stride-0 gradient (e.g. from y.sum())
-            y_ND.register_hook(lambda g: g.contiguous())
-        return y_ND
+        return lambda x, w: torch._grouped_mm(x, w, offs=offs_E)
     if impl == "bmm":
-        return _padded_bmm(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD)
+        return _padded_bmm(x_ND, counts_E)
     if impl == "loop":
         # host sync: segment lengths to slice each expert's rows (and the uncounted tail of a static size)
-        *groups, tail = torch.split(x_ND, _with_tail(counts_E, x_ND.shape[0]).tolist())
-        outs = [_swiglu(x_nD @ w1_EDF[e], x_nD @ w3_EDF[e]) @ w2_EFD[e] for e, x_nD in enumerate(groups)]
-        return torch.cat([*outs, tail.new_zeros(tail.shape[0], w2_EFD.shape[-1])])
+        sizes = _with_tail(counts_E, x_ND.shape[0]).tolist()
+
+        def loop(x, w):
+            *groups, tail = torch.split(x, sizes)
+            return torch.cat([*(x_nI @ w[e] for e, x_nI in enumerate(groups)), tail.new_zeros(tail.shape[0],
+                                                                                           w.shape[-1])])
+        return loop
     raise ValueError(f"model.moe.expert_impl = {impl!r}; choose one of {GroupedExperts.IMPLS} or 'auto'")
 
 
@@ -499,9 +525,9 @@ def _with_tail(counts_E: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.cat([counts_E, (num_rows - counts_E.sum()).view(1)])
 
 
-def _padded_bmm(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD):
-    """Scatter rows into [E, C, D] (C = the largest count), three bmm, gather back; rows past the counted ones
-    (a static size's tail) go to one spare slot and come back as zeros."""
+def _padded_bmm(x_ND, counts_E):
+    """A matmul that scatters rows into [E, C, I] (C = the largest count), runs one bmm and gathers back; rows past
+    the counted ones (a static size's tail) go to one spare slot and come back as zeros."""
     E, N = counts_E.numel(), x_ND.shape[0]
     C = int(counts_E.max())  # host sync: the padded size
     counts_E1 = _with_tail(counts_E, N)
@@ -509,11 +535,13 @@ def _padded_bmm(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD):
     expert_N = torch.repeat_interleave(torch.arange(E + 1, device=x_ND.device), counts_E1, output_size=N)
     slot_N = torch.arange(N, device=x_ND.device) - starts_E1[expert_N]
     flat_slot_N = torch.where(expert_N < E, expert_N * C + slot_N, E * C)
-    x_ECD = x_ND.new_zeros(E * C + 1, x_ND.shape[1]).index_copy(0, flat_slot_N, x_ND)[:E * C].view(E, C, -1)
-    h_ECF = _swiglu(torch.bmm(x_ECD, w1_EDF), torch.bmm(x_ECD, w3_EDF))
-    y_ECD = torch.bmm(h_ECF, w2_EFD)
-    spare = y_ECD.new_zeros(1, y_ECD.shape[-1])
-    return torch.cat([y_ECD.reshape(E * C, -1), spare]).index_select(0, flat_slot_N)
+
+    def bmm(x_NI, w_EIO):
+        x_ECI = x_NI.new_zeros(E * C + 1, x_NI.shape[1]).index_copy(0, flat_slot_N, x_NI)[:E * C].view(E, C, -1)
+        y_ECO = torch.bmm(x_ECI, w_EIO)
+        spare = y_ECO.new_zeros(1, y_ECO.shape[-1])
+        return torch.cat([y_ECO.reshape(E * C, -1), spare]).index_select(0, flat_slot_N)
+    return bmm
 
 
 class MoE(nn.Module):

@@ -171,9 +171,19 @@ class CheckpointManager:
         self.root = Path(run_dir) / "checkpoints"
         self.keep, self.rank, self.async_save = keep, rank, async_save
         self.on_commit = on_commit  # rank 0, each committed checkpoint's folder (a LoRA run writes its adapter)
+        self.superseded: list[Path] = []  # an earlier run's checkpoints, removed at this run's first commit
         self.pending: _Pending | None = None  # an async save in flight
         # The background write runs its collectives on a group of its own (gloo: it works on host copies).
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+
+    def supersede_earlier(self) -> None:
+        """A fresh start in a run directory that holds checkpoints: they go once this run has one of its own, so
+        that a later resume (a restart by the agents included) never picks an earlier run's higher step."""
+        if self.rank == 0:
+            self.superseded = [path for _, path in self.complete_checkpoints()]
+            if self.superseded:
+                print(f"--fresh: the {len(self.superseded)} checkpoint(s) in {self.root} (newest "
+                      f"{self.superseded[0].name}) are removed when this run writes its first")
 
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
         """Complete checkpoints, newest first; incomplete or corrupted ones are reported and skipped."""
@@ -312,6 +322,10 @@ class CheckpointManager:
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(self.root)
+        for old in self.superseded:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+        self.superseded = []
         for _, old in self.complete_checkpoints()[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
         if self.on_commit is not None:

@@ -121,6 +121,8 @@ def _adapter_writer(cfg: JobConfig):
 
 def _resume(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, resume: bool, fresh: bool):
     """(first step to run, checkpoint resumed from or None)."""
+    if fresh:
+        ckpt.supersede_earlier()
     path = None if fresh else ckpt.find_resume()
     if resume and path is None:
         raise ValueError(f"--resume: no complete checkpoint under {cfg.run_dir}/checkpoints; drop --resume to start")

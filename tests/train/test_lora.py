@@ -180,3 +180,37 @@ def test_bad_settings_are_one_line_before_any_rank(folder, tmp_path, changes, me
     with pytest.raises(ValueError, match=message) as e:
         check()
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "bmm", "loop"])
+def test_the_experts_adapter_on_the_rows_is_the_adapted_weights(impl):
+    """The experts' LoRA path (x A^T B^T on the sorted rows, the frozen weights without a gradient) against the
+    grouped matmuls of the weights with B A added, with an empty expert and a static size's unused tail:
+    the counted rows' outputs and the factors' gradients."""
+    from moeflow.models.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 16, 8, impl=impl)
+    for w in (experts.w1, experts.w3, experts.w2):
+        torch.nn.init.normal_(w, std=0.3)
+    lora.add(experts, 4, 8.0, 0.0, "auto", True)
+    for name in lora.EXPERT_FACTORS:
+        torch.nn.init.normal_(getattr(experts, name), std=0.3)
+    counts = torch.tensor([3, 0, 5, 2])
+    x = torch.randn(12, 16)  # 10 counted rows and a tail of 2
+    y = experts(x, counts)
+    y[:10].square().sum().backward()
+    assert experts.w1.grad is None  # the base needs no gradient
+    got = {n: getattr(experts, n).grad.clone() for n in lora.EXPERT_FACTORS}
+    for name in lora.EXPERT_FACTORS:
+        getattr(experts, name).grad = None
+    from moeflow.models.moe import expert_matmuls
+
+    w1, w3, w2 = (w + d for w, d in zip((experts.w1, experts.w3, experts.w2), experts.lora_deltas()))
+    want = expert_matmuls(x, counts, w1, w3, w2, impl)
+    want[:10].square().sum().backward()
+    torch.testing.assert_close(y[:10], want[:10], rtol=REL, atol=REL)
+    if impl != "grouped_mm":  # (grouped_mm leaves the tail unset; the combine never reads it)
+        assert float(y[10:].abs().max()) == 0
+    for name in lora.EXPERT_FACTORS:
+        torch.testing.assert_close(got[name], getattr(experts, name).grad, rtol=1e-4, atol=1e-5)
