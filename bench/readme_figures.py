@@ -172,6 +172,7 @@ def train_layouts() -> str:
 
 
 VLLM_CASES = {"tiny-moe": "tiny-moe (`make train`'s model)", "qwen3_moe-native": "Qwen3-MoE, moeflow's modules",
+              "qwen3_moe-native-lora": "Qwen3-MoE, LoRA r=8 (merged export), moeflow's modules",
               "mixtral-native": "Mixtral, moeflow's modules",
               "qwen3_moe-transformers": "Qwen3-MoE, transformers' modules",
               "glm4_moe-transformers": "GLM-4.5-shaped (partial RoPE, biases), transformers' modules",
@@ -210,6 +211,27 @@ def hf_ep() -> str:
                  f"({hf['vs_native']:.2f}x), a gpt-oss of the same size at "
                  f"{by['gpt_oss transformers']['tokens_per_s']:,.0f}: the native path stays the fast path where it "
                  f"maps the architecture.")
+
+
+def lora() -> str:
+    r = _load("lora")
+    meta, rows, ratios = r["meta"], r["rows"], r["ratios"]
+    lines = [_wrap(f"`bench/lora.py` (`bench/results/lora.json`): a Qwen3-MoE of {meta['shape']['layers']} layers, "
+                   f"{meta['shape']['experts']} experts (top-{meta['shape']['top_k']}), hidden {meta['shape']['D']}; "
+                   f"one process, fp32, {meta['tokens_per_step']} tokens per step, the median of {meta['steps']} "
+                   f"AdamW steps (the faster of two rounds); LoRA rank {meta['rank']} on the attention projections and "
+                   f"every expert's gate_up / down in both programs:"), "",
+             "| case | tokens/s | trained params | gradients + optimizer state | checkpoint | peak RSS | loss after |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['case']} | {row['tokens_per_s']:,.0f} | {row['trainable']:,} | "
+                     f"{(row['grad_bytes'] + row['optim_bytes']) / 2**20:.1f} MB | "
+                     f"{row['checkpoint_bytes'] / 2**20:.1f} MB | {row['peak_rss_mb']:,.0f} MB | {row['loss']:.4f} |")
+    lines += ["", _wrap(f"LoRA's gradients + optimizer state are {ratios['lora_state_vs_full']:.2%} of full "
+                        f"fine-tuning's (target <= 5%), its checkpoint {ratios['lora_checkpoint_vs_full']:.2%} "
+                        f"(target <= 10%); moeflow's LoRA runs at {ratios['moeflow_lora_vs_peft_tokens_per_s']:.2f}x "
+                        f"the tokens/s of transformers + peft (target 1.3x).")]
+    return "\n".join(lines)
 
 
 def _short(reason: str) -> str:
@@ -261,6 +283,7 @@ BLOCKS = {
     "vllm_serve": ("README.md", vllm_serve, False),
     "hf_ep": ("README.md", hf_ep, False),
     "hf_coverage": ("README.md", hf_coverage, False),
+    "lora": ("bench/README.md", lora, False),
 }
 
 

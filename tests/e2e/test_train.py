@@ -49,6 +49,17 @@ def test_resume_gives_exactly_the_uninterrupted_losses(tiny_args, tmp_path):
     assert _losses(split) == _losses(full)  # fp32, same layout: bit-for-bit equal
 
 
+def test_a_fresh_run_replaces_an_earlier_runs_checkpoints(tiny_args, tmp_path):
+    """--fresh over a run directory holding step-12: the fresh run's step-4 is kept (not pruned as older than
+    step-12, keep_last = 1), step-12 is gone once it is written, and a resume starts from step-4."""
+    train(_cfg(tiny_args, tmp_path, "--training.steps=12", "--checkpoint.keep=1"), progress=False)
+    stopped = train(_cfg(tiny_args, tmp_path, "--training.steps=12", "--training.stop_at=4", "--checkpoint.keep=1"),
+                    fresh=True, progress=False)
+    assert stopped["checkpoint"].endswith("step-4")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-4"]
+    assert train(_cfg(tiny_args, tmp_path, "--training.steps=12"), resume=True, progress=False)["start_step"] == 4
+
+
 def test_a_run_started_with_model_flags_resumes_from_its_run_directory(tiny_args, tmp_path):
     """`moeflow train --run-dir D` continues with D/config.toml: a run started with --model.* flags resumes
     without repeating them, on the uninterrupted run's losses."""

@@ -134,29 +134,32 @@ def test_a_run_trains_the_adapters_only_and_peft_loads_them(folder, tmp_path):
     assert _loss(merged, ids) == pytest.approx(_loss(ours, ids), rel=REL)
 
 
-def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_path):
+LAYOUTS = {"ep2": {"parallel.ep": 2}, "tp2": {"parallel.tp": 2}, "stop": {"parallel.ep": 2, "training.stop_at": 2},
+           "dp2-zero3": {"parallel.zero": 3}, "dp2-zero1": {"parallel.zero": 1}, "pp2": {"parallel.pp": 2},
+           "cp2": {"parallel.cp": 2}, "ep2-recompute": {"parallel.ep": 2, "training.activation_checkpointing": "full"}}
+
+
+@pytest.mark.parametrize("names", [
+    ["ep2", "tp2", "stop"],
+    pytest.param(["dp2-zero3", "dp2-zero1", "pp2", "cp2", "ep2-recompute"], marks=pytest.mark.slow),
+], ids=["ep-tp-resume", "the-rest"])
+def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_path, names):
+    """Each layout's LoRA run (2 ranks) trains the one-process losses and gradient norms; 'stop' is ep=2 stopped at
+    step 2 and resumed in one process; then --fresh on it starts the adapters again on the same base."""
     from tests.parallel.layout_worker import launch
 
     train(load_config(None, _overrides(folder, tmp_path / "one")), fresh=True, progress=False)
     argv = lambda run, **more: [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / run, **more).items()]
-    results = launch(2, [("ep2", argv("ep2", **{"parallel.ep": 2}), str(tmp_path / "ep2"), False),
-                         ("dp2", argv("dp2", **{"parallel.zero": 3}), str(tmp_path / "dp2"), False),
-                         ("pp2", argv("pp2", **{"parallel.pp": 2}), str(tmp_path / "pp2"), False),
-                         ("cp2", argv("cp2", **{"parallel.cp": 2}), str(tmp_path / "cp2"), False),
-                         ("tp2", argv("tp2", **{"parallel.tp": 2}), str(tmp_path / "tp2"), False),
-                         ("ep2-recompute", argv("ep2-recompute", **{"parallel.ep": 2,
-                                                                    "training.activation_checkpointing": "full"}),
-                          str(tmp_path / "ep2-recompute"), False),
-                         ("stop", argv("stop", **{"parallel.ep": 2, "training.stop_at": 2}), str(tmp_path / "stop"),
-                          False)])
+    results = launch(2, [(n, argv(n, **LAYOUTS[n]), str(tmp_path / n), False) for n in names])
     assert set(results.values()) == {"ok"}, results
-    train(load_config(None, _overrides(folder, tmp_path / "stop")), resume=True, progress=False)  # 1 process
     want = np.array(_steps(tmp_path / "one"))
+    if "stop" in names:
+        train(load_config(None, _overrides(folder, tmp_path / "stop")), resume=True, progress=False)  # 1 process
     for run in results:
         np.testing.assert_allclose(np.array(_steps(tmp_path / run)), want, rtol=REL, err_msg=run)
-    # --fresh on an adapter run starts the adapters again on the same base
-    train(load_config(None, _overrides(folder, tmp_path / "stop")), fresh=True, progress=False)
-    np.testing.assert_allclose(np.array(_steps(tmp_path / "stop")), want, rtol=REL)
+    if "stop" in names:
+        train(load_config(None, _overrides(folder, tmp_path / "stop")), fresh=True, progress=False)
+        np.testing.assert_allclose(np.array(_steps(tmp_path / "stop")), want, rtol=REL)
 
 
 @pytest.mark.parametrize("changes, message", [
