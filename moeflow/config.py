@@ -36,8 +36,10 @@ from moeflow.core.presets import get_preset
 class DataConfig:
     source: str = "stdlib"
     """'stdlib' (this Python's own standard-library sources: no download), a text file, a folder of text files,
-    a pre-tokenized .bin file, a .jsonl/.json/.parquet/.arrow/.csv file or a folder of them (read with Hugging
-    Face datasets), hf:NAME[:SPLIT] (the Hub), or a token cache folder written by an earlier run."""
+    a pre-tokenized .bin file, a Megatron indexed dataset (PREFIX, PREFIX.idx or PREFIX.bin with PREFIX.idx
+    beside it: read in place, documents under data.packing), a .jsonl/.json/.parquet/.arrow/.csv file or a folder
+    of them (read with Hugging Face datasets), hf:NAME[:SPLIT] (the Hub), or a token cache folder written by an
+    earlier run."""
     format: str = "text"
     """'text' (a 'text' field, or plain text), 'chat' (a 'messages' list rendered with the tokenizer's chat
     template, loss on the assistant's tokens only) or 'instruction' (Alpaca 'instruction'/'input'/'output',

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from moeflow.config import JobConfig
+from moeflow.data import megatron
+from moeflow.data.megatron import megatron_prefix
 from moeflow.data.records import is_record_source, resolve
 from moeflow.data.stream import BatchSampler, TokenWindows, load_tokens, split_tokens, val_batches
 from moeflow.data.token_cache import ChatEncoder, TextEncoder, is_cache_folder, open_cache, write_cache
@@ -37,6 +39,8 @@ class Data:
 
 def uses_cache(cfg: JobConfig) -> bool:
     d = cfg.data
+    if megatron_prefix(d.source) is not None:  # already tokenized: read in place (moeflow.data.megatron)
+        return False
     if d.source.endswith(".bin") and Path(d.source).is_file():
         return False
     return d.format != "text" or d.packing or is_record_source(d.source) or is_cache_folder(d.source)
@@ -122,6 +126,15 @@ def _prepare_on_rank0(cfg: JobConfig, is_main: bool) -> tuple[Path, str]:
 def build_data(cfg: JobConfig, is_main: bool = True) -> Data:
     """The job's training sequences, validation batches and data summary (every rank the same)."""
     d, t = cfg.data, cfg.training
+    prefix = megatron_prefix(d.source)
+    if prefix is not None and d.format != "text":
+        raise ValueError(f"data.format = {d.format!r} with the Megatron dataset {prefix}: its documents are token "
+                         f"ids already; use data.format = 'text' (and data.packing = true for whole documents)")
+    if prefix is not None and d.packing:
+        docs = megatron.documents(prefix, cfg.model.vocab_size)
+        summary = {"format": "megatron", "packing": True, "cache": str(prefix), "records": docs.num_documents,
+                   "tokens": int(docs.offsets[-1])}
+        return _document_rows(cfg, docs, summary)
     if not uses_cache(cfg):
         tokens = _stream_tokens(cfg)
         train, val = split_tokens(tokens, d.val_fraction, d.seq_len)
@@ -137,8 +150,15 @@ def build_data(cfg: JobConfig, is_main: bool = True) -> Data:
         train, val = split_tokens(cache.tokens, d.val_fraction, d.seq_len)
         return Data(TokenWindows(train, d.seq_len, key=cache.key),
                     val_batches(val, d.seq_len, t.global_batch, cfg.eval.batches), summary)
+    return _document_rows(cfg, cache, summary)
+
+
+def _document_rows(cfg: JobConfig, cache, summary: dict) -> Data:
+    """Rows of whole documents of a token cache (or a Megatron dataset's documents), the last val_fraction of
+    them held out."""
     from moeflow.data.packing import DocumentRows
 
+    d, t = cfg.data, cfg.training
     n = cache.num_documents
     n_val = max(1, int(n * d.val_fraction)) if n >= 2 else 0
     docs = np.arange(n)
@@ -153,6 +173,9 @@ def build_data(cfg: JobConfig, is_main: bool = True) -> Data:
 
 def _stream_tokens(cfg: JobConfig) -> np.ndarray:
     d = cfg.data
+    prefix = megatron_prefix(d.source)
+    if prefix is not None:
+        return megatron.load(prefix, cfg.model.vocab_size)[0]
     pretokenized = d.source.endswith(".bin")  # ids already; load_tokens checks them against the vocabulary
     tokenizer = None
     if not pretokenized:
