@@ -206,7 +206,12 @@ def _adapter_line(a: dict) -> str:
 
 
 def _data_line(d: dict) -> str:
-    """'chat, 120 records -> 37 packed rows (83% full), 2 truncated' (token cache runs)."""
+    """'chat, 120 records -> 37 packed rows (83% full), 2 truncated' (token cache runs); for a blend, each source's
+    weight and trained tokens."""
+    if "sources" in d:
+        total = sum(src["trained_tokens"] for src in d["sources"]) or 1
+        return "blend: " + "; ".join(f"{src['name']} {src['weight']:.2f} (trained {src['trained_tokens']:,} tokens, "
+                                     f"{src['trained_tokens'] / total:.1%})" for src in d["sources"])
     line = f"{d['format']}, {d['records']:,} records"
     if "rows" in d:
         line += f" -> {d['rows']:,} {'packed ' if d['packing'] else ''}rows ({d['fill']:.0%} full)"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from moeflow.core.blend import parse_blend
 from moeflow.core.choices import (
     DEEP_EP_GROUP_SIZES,
     DEEP_EP_NODE_SIZES,
@@ -40,6 +41,12 @@ class DataConfig:
     beside it: read in place, documents under data.packing), a .jsonl/.json/.parquet/.arrow/.csv file or a folder
     of them (read with Hugging Face datasets), hf:NAME[:SPLIT] (the Hub), or a token cache folder written by an
     earlier run."""
+    blend: str = ""
+    """Several sources by weight instead of data.source: "W1 SOURCE1 W2 SOURCE2 ..." (Megatron's --data-path
+    syntax; any source data.source takes, with the other data settings). Each step's sequences follow the weights
+    by a fixed schedule (within one sequence of them at every step); each source keeps its own shuffled order and
+    epochs and holds out its own validation split; the summary and metrics.jsonl count the tokens trained from
+    each."""
     format: str = "text"
     """'text' (a 'text' field, or plain text), 'chat' (a 'messages' list rendered with the tokenizer's chat
     template, loss on the assistant's tokens only) or 'instruction' (Alpaca 'instruction'/'input'/'output',
@@ -294,6 +301,8 @@ class JobConfig:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
         for name in ("token_dtype", "format", "overlong"):
             check_choice(f"data.{name}", getattr(self.data, name), SETTINGS[f"data.{name}"])
+        if self.data.blend:
+            parse_blend(self.data.blend)
         check_choice("parallel.ep_backend", self.parallel.ep_backend, SETTINGS["parallel.ep_backend"])
         p = self.parallel
         if p.ep_overlap_chunks < 1:

@@ -12,13 +12,15 @@ The validation split of the cache path is the last data.val_fraction of the docu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from moeflow.config import JobConfig
+from moeflow.core.blend import parse_blend
 from moeflow.data import megatron
+from moeflow.data.blend import BlendSampler, BlendSource
 from moeflow.data.megatron import megatron_prefix
 from moeflow.data.records import is_record_source, resolve
 from moeflow.data.stream import BatchSampler, TokenWindows, load_tokens, split_tokens, val_batches
@@ -31,10 +33,13 @@ class Data:
     train: object  # a token stream (np.ndarray) or a sequence source (TokenWindows, DocumentRows)
     val: list
     summary: dict = field(default_factory=dict)  # what the run's summary reports about the data
+    blend: list[BlendSource] | None = None  # data.blend's sources (train is then unused)
 
-    def sampler(self, cfg: JobConfig, dp_rank: int, dp_size: int) -> BatchSampler:
-        return BatchSampler(self.train, cfg.data.seq_len, cfg.training.global_batch, dp_rank, dp_size,
-                            cfg.training.seed)
+    def sampler(self, cfg: JobConfig, dp_rank: int, dp_size: int) -> BatchSampler | BlendSampler:
+        t = cfg.training
+        if self.blend:
+            return BlendSampler(self.blend, cfg.data.seq_len, t.global_batch, dp_rank, dp_size, t.seed)
+        return BatchSampler(self.train, cfg.data.seq_len, t.global_batch, dp_rank, dp_size, t.seed)
 
 
 def uses_cache(cfg: JobConfig) -> bool:
@@ -125,6 +130,8 @@ def _prepare_on_rank0(cfg: JobConfig, is_main: bool) -> tuple[Path, str]:
 
 def build_data(cfg: JobConfig, is_main: bool = True) -> Data:
     """The job's training sequences, validation batches and data summary (every rank the same)."""
+    if cfg.data.blend:
+        return _blend(cfg, is_main)
     d, t = cfg.data, cfg.training
     prefix = megatron_prefix(d.source)
     if prefix is not None and d.format != "text":
@@ -169,6 +176,24 @@ def _document_rows(cfg: JobConfig, cache, summary: dict) -> Data:
                    truncated=train.stats["truncated"] + val.stats["truncated"],
                    dropped=train.stats["dropped"] + val.stats["dropped"])
     return Data(train, val_batches(val, d.seq_len, t.global_batch, cfg.eval.batches), summary)
+
+
+def _blend(cfg: JobConfig, is_main: bool) -> Data:
+    """Each source of data.blend built as data.source would be, then blended (moeflow.data.blend)."""
+    pairs = parse_blend(cfg.data.blend)
+    total = sum(w for w, _ in pairs)
+    sources, val, summaries = [], [], []
+    for weight, source in pairs:
+        one = replace(cfg, data=replace(cfg.data, source=source, blend=""))
+        part = build_data(one, is_main)
+        sources.append(BlendSource(source, weight / total, part.train))
+        val += part.val  # each source's held-out tail
+        stream = part.train if isinstance(part.train, np.ndarray) else None
+        summaries.append({"name": source, "weight": weight / total,
+                          "documents": part.summary.get("records"),
+                          "tokens": part.summary.get("tokens", len(stream) if stream is not None else None),
+                          "trained_tokens": 0})
+    return Data(None, val, {"format": cfg.data.format, "packing": cfg.data.packing, "sources": summaries}, sources)
 
 
 def _stream_tokens(cfg: JobConfig) -> np.ndarray:

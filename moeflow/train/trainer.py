@@ -199,8 +199,8 @@ def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, pr
         if logged:
             tokens_per_s = throughput.measure()
             mfu = tokens_per_s * flops_per_token / (peak * info.world_size) if peak else "unknown"
-            logger.log(step, _metrics_record(result, tokens_per_s, mfu, loop.val_loss if validated else None,
-                                             guard.log_record(step)))
+            logger.log(step, {**_metrics_record(result, tokens_per_s, mfu, loop.val_loss if validated else None,
+                                                guard.log_record(step)), **_blend_record(cfg, s)})
         if cfg.checkpoint.enabled and (_due(cfg.checkpoint.every, step, is_last) or stopping):
             extra = {"step": step, "scheduler": s.scheduler.state_dict(), "sampler": s.sampler.state_dict(),
                      "layout": s.layout}
@@ -216,6 +216,23 @@ def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, pr
     ckpt.wait()  # an async save still in flight completes before the summary names it
     logger.close()
     return loop
+
+
+def _blend_record(cfg: JobConfig, s: Setup) -> dict:
+    """metrics.jsonl's `data_tokens` under data.blend: the tokens trained from each source so far (every rank's)."""
+    if not cfg.data.blend:
+        return {}
+    return {"data_tokens": {src.name: n for src, n in zip(s.sampler.sources, s.sampler.trained)}}
+
+
+def _data_summary(cfg: JobConfig, s: Setup) -> dict | None:
+    """The data's summary, a blend's trained tokens per source filled in from the sampler."""
+    if not s.data_summary:
+        return None
+    if cfg.data.blend:
+        for entry, trained in zip(s.data_summary["sources"], s.sampler.trained):
+            entry["trained_tokens"] = trained
+    return s.data_summary
 
 
 def _metrics_record(result: StepResult, tokens_per_s: float, mfu: float | str, val_loss: float | None,
@@ -258,7 +275,7 @@ def _summary(cfg: JobConfig, s: Setup, start: int, loop: LoopState, resumed_from
         metrics=str(run_dir / "metrics.jsonl"), tensorboard=str(run_dir / "tb"),
         peak_flops_known=loop.peak_flops_known,
         state_bytes_per_rank=state_bytes(s, loop.grad_bytes) if ran else None,
-        hf_bytes_read_rank0=s.hf_bytes_read, data=s.data_summary or None,
+        hf_bytes_read_rank0=s.hf_bytes_read, data=_data_summary(cfg, s),
         loss_curve=_loss_curve(run_dir) if s.info.is_main else None,
         adapter=_adapter_summary(cfg) if s.info.is_main and cfg.peft.method == "lora" else None,
     )

@@ -1,0 +1,109 @@
+"""data.blend: the trained sequences follow the weights by a fixed schedule (within one sequence at every step, so
+within 1% over 200 steps), each source shuffles and wraps on its own, a resume (also onto another data-parallel
+size) continues the uninterrupted run's rows, a run reports what it trained from each source, and bad weights are
+one line before any rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moeflow.config import load_config
+from moeflow.data.blend import BlendSampler, BlendSource
+from moeflow.train.trainer import train
+
+SEQ = 8
+
+
+def _sources(weights=(0.5, 0.3, 0.2), sizes=(400, 200, 5)) -> list[BlendSource]:
+    """Token streams whose ids say which source and window they came from (source k: ids k * 100,000 + ...)."""
+    total = sum(weights)
+    return [BlendSource(f"s{k}", w / total, np.arange(n * SEQ + 1, dtype=np.int64) + 100_000 * k)
+            for k, (w, n) in enumerate(zip(weights, sizes))]
+
+
+def _source_of(batch) -> list[int]:
+    return (batch.inputs[:, 0] // 100_000).tolist()
+
+
+def test_the_sequences_follow_the_weights_at_every_step():
+    sampler = BlendSampler(_sources(), SEQ, global_batch=8, seed=3)
+    counts = np.zeros(3)
+    for step in range(1, 201):
+        for k in _source_of(sampler.next_batch()):
+            counts[k] += 1
+        assert np.all(np.abs(counts - sampler.weights * 8 * step) <= 1.0 + 1e-9), (step, counts)
+    fractions = counts / counts.sum()
+    np.testing.assert_allclose(fractions, sampler.weights, atol=0.01)
+    trained = np.array(sampler.trained, dtype=float)
+    np.testing.assert_allclose(trained / trained.sum(), sampler.weights, atol=0.01)
+
+
+def test_each_source_wraps_its_epochs_on_its_own():
+    """The 5-window source is drawn 320 times in 200 steps: every 5 consecutive draws are its 5 windows."""
+    sampler = BlendSampler(_sources(), SEQ, global_batch=8, seed=3)
+    small = []
+    for _ in range(200):
+        batch = sampler.next_batch()
+        small += [int(r[0]) - 200_000 for r in batch.inputs if int(r[0]) // 100_000 == 2]
+    windows = [w // SEQ for w in small]
+    assert len(windows) == 320
+    for e in range(0, 320, 5):
+        assert sorted(windows[e:e + 5]) == list(range(5))
+
+
+def test_a_resume_onto_another_data_parallel_size_continues_the_rows():
+    straight = BlendSampler(_sources(), SEQ, global_batch=8, seed=1)
+    want = [straight.next_batch() for _ in range(10)][5:]
+    first = BlendSampler(_sources(), SEQ, global_batch=8, seed=1)
+    for _ in range(5):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint keeps: plain values
+    ranks = [BlendSampler(_sources(), SEQ, global_batch=8, dp_rank=r, dp_size=2, seed=1) for r in range(2)]
+    for r in ranks:
+        r.load_state_dict(state)
+    for w in want:
+        halves = [r.next_batch() for r in ranks]
+        assert torch.equal(torch.cat([h.inputs for h in halves]), w.inputs)
+        assert halves[0].global_tokens == w.global_tokens
+    assert ranks[0].trained == straight.trained
+    with pytest.raises(ValueError, match=r"the checkpoint's blend was .* but this run's is"):
+        BlendSampler(_sources(weights=(0.4, 0.4, 0.2)), SEQ, 8, seed=1).load_state_dict(state)
+
+
+def _overrides(run_dir, **more) -> dict:
+    fixtures = Path(__file__).parent / "megatron"
+    return {"model.vocab_size": 256, "data.blend": f"3 {fixtures / 'small_uint16'} 1 stdlib", "data.seq_len": 16,
+            "data.max_bytes": 100_000, "data.tokenizer": "byte", "training.global_batch": 4, "training.steps": 6,
+            "eval.every": 0, "metrics.tensorboard": False, "metrics.log_every": 1, "checkpoint.every": 3,
+            "run_dir": str(run_dir), **more}
+
+
+def test_a_blended_run_counts_each_source_and_resumes_exactly(tmp_path):
+    summary = train(load_config(None, _overrides(tmp_path / "straight")), progress=False)
+    sources = summary["data"]["sources"]
+    assert [s["weight"] for s in sources] == [0.75, 0.25]
+    assert sum(s["trained_tokens"] for s in sources) == 6 * 4 * 16
+    assert sources[0]["trained_tokens"] == 3 * sources[1]["trained_tokens"]  # 18 and 6 sequences of 16
+    rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(rows[-1]["data_tokens"].values()) == 6 * 4 * 16
+    train(load_config(None, _overrides(tmp_path / "split", **{"training.stop_at": 3})), progress=False)
+    resumed = train(load_config(None, _overrides(tmp_path / "split")), resume=True, progress=False)
+    split = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in split] == [r["loss"] for r in rows]
+    assert resumed["data"]["sources"] == sources
+
+
+@pytest.mark.parametrize("blend, message", [
+    ("0.7 a 0 b", r"data.blend = '0.7 a 0 b': the weight of 'b' is 0; every weight must be positive"),
+    ("0.7 a -1 b", r"the weight of 'b' is -1"),
+    ("0.7 a b", r"give pairs of a weight and a source"),
+    ("x a 1 b", r"'x' is not a weight"),
+])
+def test_bad_weights_are_one_line(tmp_path, blend, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, _overrides(tmp_path, **{"data.blend": blend}))
