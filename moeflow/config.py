@@ -95,7 +95,23 @@ class TrainingConfig:
     warmup_steps: int = 20
     """Linear warm-up steps before the cosine decay."""
     weight_decay: float = 0.1
-    """AdamW weight decay (not applied to norms and biases)."""
+    """Weight decay, decoupled (not applied to norms and biases)."""
+    optimizer: str = "adamw"
+    """'adamw', or 'muon': Muon (orthogonalised momentum, torch.optim.Muon's update) on every matrix of the
+    blocks - attention and MLP projections, each expert's matrices, MLA's projections - and AdamW (its betas,
+    training.muon_adamw_lr) on the embedding, the output head, norms, biases and the routers' gates, as Moonlight's
+    recipe. One process for now."""
+    muon_momentum: float = 0.95
+    """Muon's momentum."""
+    muon_nesterov: bool = True
+    """Muon with Nesterov momentum."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per orthogonalisation (coefficients 3.4445, -4.7750, 2.0315)."""
+    muon_adjust_lr: str = "match_rms_adamw"
+    """Muon's learning rate per matrix [A, B]: 'match_rms_adamw' lr x 0.2 sqrt(max(A, B)) (the update's RMS
+    matches AdamW's, so one lr serves both) or 'original' lr x sqrt(max(1, A / B))."""
+    muon_adamw_lr: float = 0.0
+    """The AdamW part's peak learning rate under training.optimizer = 'muon'; 0 = training.lr."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -259,7 +275,7 @@ class JobConfig:
             self.model = training_config(self.model)
         self.model.validate()
         t = self.training
-        for name in ("dtype", "on_nonfinite", "device", "fp8"):
+        for name in ("dtype", "on_nonfinite", "device", "fp8", "optimizer", "muon_adjust_lr"):
             check_choice(f"training.{name}", getattr(t, name), SETTINGS[f"training.{name}"])
         if self.metrics.wandb and importlib.util.find_spec("wandb") is None:  # before any process starts
             raise ValueError("metrics.wandb = true needs the wandb package: pip install -e .[wandb] (or set "
@@ -321,7 +337,27 @@ class JobConfig:
                              f"data.packing = false or parallel.cp = 1")
         self._validate_fault_settings()
         self._validate_peft()
+        self._validate_muon()
         return self
+
+    def _validate_muon(self) -> None:
+        t = self.training
+        if t.optimizer != "muon":
+            return
+        if t.muon_ns_steps < 1:
+            raise ValueError(f"training.muon_ns_steps = {t.muon_ns_steps}; Muon needs at least 1 Newton-Schulz "
+                             f"iteration (5 is the usual)")
+        if not 0 <= t.muon_momentum < 1:
+            raise ValueError(f"training.muon_momentum = {t.muon_momentum}; use a value in [0, 1), e.g. 0.95")
+        if t.fp8 != "none":
+            raise ValueError(f"training.optimizer = 'muon' with training.fp8 = {t.fp8!r}: FP8 weights are not "
+                             f"orthogonalised yet; use training.fp8 = 'none' or training.optimizer = 'adamw'")
+        if self.peft.method != "none":
+            raise ValueError("training.optimizer = 'muon' with peft.method = 'lora' is not supported yet; use "
+                             "training.optimizer = 'adamw' for a LoRA run")
+        if self.model.runs_transformers:
+            raise ValueError(f"training.optimizer = 'muon' on transformers' own modules ({self.model.hf_path}) is "
+                             f"not supported yet; use model.hf_impl = 'native' where moeflow maps the architecture")
 
     def _validate_peft(self) -> None:
         f = self.peft
@@ -395,6 +431,10 @@ class JobConfig:
                             zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp, cp=p.cp)
         dims.check_model(self.model)
         dims.check_sequence(self.data.seq_len)
+        if t.optimizer == "muon" and world_size > 1:
+            raise ValueError(f"training.optimizer = 'muon' on {world_size} ranks is not supported yet (Newton-Schulz "
+                             f"needs whole matrices; the sharded scheme is not written); run it on 1 process or use "
+                             f"training.optimizer = 'adamw'")
         if p.ep_backend in EP_LIBRARIES and dims.ep > 1 and dims.ep not in DEEP_EP_GROUP_SIZES:
             # The library's own config table decides at start-up (UCCL-EP lacks 48 and 96); this is the part
             # both share, checked before any rank starts: DeepEP V1's get_dispatch_config keys.

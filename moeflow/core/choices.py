@@ -40,6 +40,8 @@ TOKEN_DTYPES = ("uint16", "uint32")
 DATA_FORMATS = ("text", "chat", "instruction")
 OVERLONG = ("truncate", "drop", "error")
 PEFT_METHODS = ("none", "lora")
+OPTIMIZERS = ("adamw", "muon")
+MUON_LR_ADJUSTMENTS = ("match_rms_adamw", "original")
 
 # setting -> its choices, for the checks and --help-config
 SETTINGS: dict[str, tuple[str, ...]] = {
@@ -63,6 +65,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "parallel.ep_backend": EP_BACKENDS,
     "parallel.pp_schedule": tuple(SCHEDULES),
     "peft.method": PEFT_METHODS,
+    "training.optimizer": OPTIMIZERS,
+    "training.muon_adjust_lr": MUON_LR_ADJUSTMENTS,
 }
 
 

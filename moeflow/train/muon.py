@@ -1,0 +1,122 @@
+"""Muon (Jordan et al. 2024; the recipe Moonlight and Kimi K2 trained with) beside AdamW, in one optimizer.
+
+Muon updates each hidden weight matrix by the orthogonalised momentum: B <- mu B + (1 - mu) G (torch's
+`lerp`), the update U = G + mu (B - G) with Nesterov (else B), O = NS_k(U) (k Newton-Schulz iterations with the
+coefficients (a, b, c), the matrix first scaled to spectral norm <= 1, the short side first), then
+W <- W (1 - lr wd) - lr' O with lr' = lr x 0.2 sqrt(max(A, B)) ('match_rms_adamw', Moonlight: the update's RMS
+then matches AdamW's, so AdamW's learning rate carries over) or lr x sqrt(max(1, A / B)) ('original'). This is
+torch.optim.Muon's update (torch 2.13, 2-D parameters only), which the tests hold it to; here a 3-D experts tensor
+[E, A, B] is E matrices, each orthogonalised on its own.
+
+Which parameters: Muon takes every matrix of the blocks (attention and MLP projections, the experts, MLA's
+low-rank projections); AdamW (`torch.optim.adam.adam`, decoupled weight decay: torch.optim.AdamW's update and state
+names) keeps the embedding, the output head, norms, biases, the routers' gates and anything 1-D, with its own
+learning rate (training.muon_adamw_lr, default training.lr).
+
+One process only for now: Newton-Schulz needs each whole matrix, and the sharded layouts' scheme (an owner rank
+per matrix, no matrix orthogonalised twice) is not written yet; the job config refuses a Muon run on more ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's (torch.optim.Muon's defaults)
+NS_EPS = 1e-7
+
+
+def muon_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(Muon's, AdamW's) trainable parameters, by what they are (module docstring)."""
+    from moeflow.models.moe import Router
+
+    adamw_ids = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) or isinstance(module, Router):
+            adamw_ids |= {id(p) for p in module.parameters()}
+    head = getattr(model, "output", None)
+    if isinstance(head, nn.Linear):
+        adamw_ids.add(id(head.weight))
+    muon, adamw = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (muon if p.ndim >= 2 and id(p) not in adamw_ids else adamw).append(p)
+    return muon, adamw
+
+
+def newton_schulz(update: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps: float = NS_EPS,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The orthogonalised [A, B] matrix, computed in `dtype` (bf16, as torch.optim.Muon)."""
+    a, b, c = coefficients
+    x = update.to(dtype)
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust: str, shape: torch.Size) -> float:
+    A, B = shape
+    return lr * (0.2 * math.sqrt(max(A, B)) if adjust == "match_rms_adamw" else math.sqrt(max(1, A / B)))
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the groups with `muon=True`, AdamW for the others (module docstring)."""
+
+    def __init__(self, muon_params, adamw_params, *, lr: float, adamw_lr: float, weight_decay: float,
+                 betas: tuple[float, float], momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
+                 adjust_lr: str = "match_rms_adamw", eps: float = 1e-8):
+        groups = [{"params": list(muon_params), "muon": True, "lr": lr, "weight_decay": weight_decay}]
+        decay = [p for p in adamw_params if p.ndim >= 2]
+        no_decay = [p for p in adamw_params if p.ndim < 2]
+        groups += [{"params": decay, "muon": False, "lr": adamw_lr, "weight_decay": weight_decay},
+                   {"params": no_decay, "muon": False, "lr": adamw_lr, "weight_decay": 0.0}]
+        super().__init__([g for g in groups if g["params"]],
+                         dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, adjust_lr=adjust_lr,
+                              betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if group["muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+
+    def _muon_step(self, group: dict) -> None:
+        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - mu)
+            update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+            matrices = update.unsqueeze(0) if update.ndim == 2 else update.flatten(0, -3)  # experts: E matrices
+            ortho = torch.stack([newton_schulz(m, group["ns_steps"]) for m in matrices]).to(p.dtype)
+            p.mul_(1 - lr * wd)
+            p.add_(ortho.view_as(p), alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape[-2:]))
+
+    def _adamw_step(self, group: dict) -> None:
+        from torch.optim.adam import adam
+
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            if not self.state[p]:
+                self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                 "exp_avg_sq": torch.zeros_like(p)}
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adam(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+             [], [s["step"] for s in states], foreach=False, amsgrad=False, beta1=beta1, beta2=beta2,
+             lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+             decoupled_weight_decay=True)

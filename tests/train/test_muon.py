@@ -1,0 +1,103 @@
+"""training.optimizer = 'muon': moeflow's Muon equals torch.optim.Muon step for step on every 2-D matrix and on
+each expert matrix of the 3-D experts, its AdamW part equals torch.optim.AdamW, the parameters split as Moonlight's
+recipe, a run resumes exactly (the momentum is in the checkpoint), and what is not supported is one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moeflow.config import load_config
+from moeflow.core.presets import get_preset
+from moeflow.models.transformer import Transformer
+from moeflow.train.muon import Muon, muon_parameters
+from moeflow.train.trainer import train
+
+
+def _model() -> Transformer:
+    cfg = get_preset("tiny-moe")
+    cfg.dim, cfg.n_layers, cfg.vocab_size, cfg.moe.num_experts, cfg.moe.ffn_dim = 32, 2, 64, 4, 16
+    torch.manual_seed(0)
+    return Transformer(cfg.validate())
+
+
+def test_the_split_is_moonlights():
+    model = _model()
+    muon, adamw = muon_parameters(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_names, adamw_names = {names[id(p)] for p in muon}, {names[id(p)] for p in adamw}
+    assert "tok_embeddings.weight" in adamw_names and "output.weight" in adamw_names
+    assert all(p.ndim >= 2 for p in muon)
+    assert any(n.endswith("experts.w1") for n in muon_names) and any(n.endswith("attention.wq.weight")
+                                                                      for n in muon_names)
+    assert all("router" in n or "norm" in n or n in ("tok_embeddings.weight", "output.weight")
+               for n in adamw_names), adamw_names
+    assert len(muon) + len(adamw) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("nesterov, adjust", [(True, "match_rms_adamw"), (False, "original")])
+def test_every_matrix_steps_as_torch_optim_muon_and_the_rest_as_adamw(nesterov, adjust):
+    """Three steps with the same random gradients: each 2-D matrix against torch.optim.Muon on it, each expert
+    matrix against torch.optim.Muon on that slice as its own parameter, the rest against torch.optim.AdamW."""
+    model = _model()
+    muon, adamw = muon_parameters(model)
+    ours = Muon(muon, adamw, lr=0.02, adamw_lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), momentum=0.9,
+                nesterov=nesterov, ns_steps=5, adjust_lr=adjust)
+    ref_matrices = [torch.nn.Parameter(m.detach().clone()) for p in muon
+                    for m in (p.unbind(0) if p.ndim == 3 else [p])]
+    ref_rest = [torch.nn.Parameter(p.detach().clone()) for p in adamw]
+    ref_muon = torch.optim.Muon(ref_matrices, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov,
+                                ns_steps=5, adjust_lr_fn=adjust)
+    decay = [q for q, p in zip(ref_rest, adamw) if p.ndim >= 2]
+    no_decay = [q for q, p in zip(ref_rest, adamw) if p.ndim < 2]
+    ref_adamw = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=0.01, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in muon + adamw:
+            p.grad = torch.randn(p.shape, generator=gen)
+        grads = [g for p in muon for g in (p.grad.unbind(0) if p.ndim == 3 else [p.grad])]
+        for q, g in zip(ref_matrices, grads):
+            q.grad = g.clone()
+        for q, p in zip(ref_rest, adamw):
+            q.grad = p.grad.clone()
+        ours.step()
+        ref_muon.step()
+        ref_adamw.step()
+    got = [m for p in muon for m in (p.unbind(0) if p.ndim == 3 else [p])]
+    for a, b in zip(got, ref_matrices):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+    for a, b in zip(adamw, ref_rest):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _overrides(run_dir, **more) -> dict:
+    return {"training.optimizer": "muon", "model.dim": 32, "model.n_layers": 2, "model.moe.num_experts": 4,
+            "model.moe.ffn_dim": 16, "data.seq_len": 16, "data.max_bytes": 50_000, "training.global_batch": 4,
+            "training.steps": 6, "eval.every": 0, "metrics.tensorboard": False, "metrics.log_every": 1,
+            "checkpoint.every": 3, "run_dir": str(run_dir), **more}
+
+
+def test_a_muon_run_resumes_exactly(tmp_path):
+    first = train(load_config(None, _overrides(tmp_path / "straight")), progress=False)
+    assert first["final_loss"] < first["first_loss"]
+    train(load_config(None, _overrides(tmp_path / "split", **{"training.stop_at": 3})), progress=False)
+    train(load_config(None, _overrides(tmp_path / "split")), resume=True, progress=False)
+    losses = {run: [json.loads(x)["loss"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+              for run in ("straight", "split")}
+    assert losses["split"] == losses["straight"]
+
+
+@pytest.mark.parametrize("changes, world, message", [
+    ({"training.muon_ns_steps": 0}, 1, r"training.muon_ns_steps = 0; Muon needs at least 1 Newton-Schulz"),
+    ({"training.fp8": "tensorwise"}, 1, r"training.optimizer = 'muon' with training.fp8 = 'tensorwise'"),
+    ({"training.muon_momentum": 1.0}, 1, r"training.muon_momentum = 1.0; use a value in \[0, 1\)"),
+    ({"training.muon_adjust_lr": "rms"}, 1, r"training.muon_adjust_lr"),
+    ({}, 2, r"training.optimizer = 'muon' on 2 ranks is not supported yet"),
+])
+def test_what_is_not_supported_is_one_line(tmp_path, changes, world, message):
+    with pytest.raises(ValueError, match=message) as e:
+        load_config(None, _overrides(tmp_path, **changes)).layout(world)
+    assert "\n" not in str(e.value)
