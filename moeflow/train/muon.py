@@ -112,7 +112,7 @@ class Muon(torch.optim.Optimizer):
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             if not self.state[p]:
-                self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                self.state[p] = {"step": torch.tensor(0.0, device="cpu"), "exp_avg": torch.zeros_like(p),
                                  "exp_avg_sq": torch.zeros_like(p)}
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
