@@ -60,6 +60,10 @@ class DataConfig:
     summary), 'drop' (counted) or 'error'."""
     chat_template: str = ""
     """A Jinja chat template file to use instead of the tokenizer's own ('' = the tokenizer's)."""
+    tokenize_workers: int = 0
+    """Processes that tokenize records into the cache; 0 = one per core where the launcher (--nproc-per-node) or
+    `moeflow train --prepare-data` tokenizes, rank 0 alone inside a torchrun job. Any number writes the same
+    cache."""
     cache_dir: str = ""
     """Where tokenized datasets are kept, one folder per source, tokenizer and format ('' = RUN_DIR/data-cache)."""
     tokenizer: str = "auto"
@@ -313,6 +317,8 @@ class JobConfig:
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len}); "
                 f"lower data.seq_len or raise model.max_seq_len"
             )
+        if self.data.tokenize_workers < 0:
+            raise ValueError(f"data.tokenize_workers = {self.data.tokenize_workers}; use 0 (one per core) or more")
         if not 0 < self.data.val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
         for name in ("token_dtype", "format", "overlong"):

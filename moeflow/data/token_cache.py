@@ -142,8 +142,9 @@ def is_cache_folder(path: str) -> bool:
 
 
 def write_cache(src: RecordSource, encoder, root: Path, *, max_bytes: int = 4_000_000,
-                progress: bool | None = None) -> Path:
-    """The cache folder for (src, encoder), tokenizing the records first if it does not exist yet."""
+                progress: bool | None = None, workers: int = 1) -> Path:
+    """The cache folder for (src, encoder), tokenizing the records first if it does not exist yet, in `workers`
+    processes (the same bytes for any number: the batches are written in record order)."""
     key = cache_key(src, encoder, max_bytes)
     folder = Path(root) / key
     if (folder / META).is_file():
@@ -152,7 +153,7 @@ def write_cache(src: RecordSource, encoder, root: Path, *, max_bytes: int = 4_00
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        meta = _tokenize(src, encoder, tmp, key, max_bytes, progress)
+        meta = _tokenize(src, encoder, tmp, key, max_bytes, progress, workers)
         (tmp / META).write_text(json.dumps(meta, indent=1))
         shutil.rmtree(tmp / "hf", ignore_errors=True)  # datasets' Arrow copies of the local files
         try:
@@ -165,7 +166,48 @@ def write_cache(src: RecordSource, encoder, root: Path, *, max_bytes: int = 4_00
     return folder
 
 
-def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, progress) -> dict:
+# A forked worker's view of the job: the records and the encoder (inherited, not pickled).
+_WORK: dict = {}
+
+
+def _encode_batch(start: int, ds=None, encoder=None):
+    """Records [start, start + _BATCH) encoded as arrays (what crosses cheaply from a worker): ids uint32,
+    lengths and trained targets per document int64, masks uint8 (None for text); or (the record index, what is
+    wrong) for a bad record."""
+    ds, encoder = ds if ds is not None else _WORK["ds"], encoder or _WORK["encoder"]
+    try:
+        docs = encoder.encode(ds[start:start + _BATCH], start)
+    except _Located as e:
+        return (e.index, e.what)
+    ids = np.concatenate([np.asarray(d, dtype=np.uint32) for d, _ in docs]) if docs else np.zeros(0, np.uint32)
+    lengths = np.array([len(d) for d, _ in docs], dtype=np.int64)
+    if docs and docs[0][1] is not None:  # trained targets: the mask past each document's first token
+        masks = np.concatenate([np.asarray(mask, dtype=np.uint8) for _, mask in docs])
+        trained = np.array([sum(mask[1:]) for _, mask in docs], dtype=np.int64)
+    else:
+        masks, trained = None, np.maximum(lengths - 1, 0)
+    return ids, lengths, masks, trained
+
+
+def _encoded_batches(ds, encoder, workers: int):
+    """Each batch's encoded documents, in record order: in this process, or in `workers` forked ones."""
+    starts = range(0, len(ds), _BATCH)
+    if workers <= 1 or len(starts) < 2:
+        for start in starts:
+            yield _encode_batch(start, ds, encoder)
+        return
+    import multiprocessing
+
+    _WORK.update(ds=ds, encoder=encoder)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # each worker one thread: the processes are the split
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            yield from pool.imap(_encode_batch, starts)
+    finally:
+        _WORK.clear()
+
+
+def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, progress, workers: int = 1) -> dict:
     from tqdm import tqdm
 
     ds = load(src, out, max_bytes)
@@ -188,27 +230,18 @@ def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, p
     with open(out / "tokens.bin", "wb") as f_tok, open(out / "trained.bin", "wb") as f_mask, \
             tqdm(total=len(ds), desc=f"tokenizing {Path(spec).name or spec}", unit="rec", dynamic_ncols=True,
                  disable=None if progress is None else not progress, mininterval=0.5) as bar:
-        first = 0
-        for batch in ds.select_columns(wanted).iter(batch_size=_BATCH):
-            try:
-                docs = encoder.encode(batch, first)
-            except _Located as e:
-                raise ValueError(f"data.source = {spec!r}: {src.locate(e.index)} {e.what}") from None
-            for ids, mask in docs:
-                ids_np = np.asarray(ids, dtype=np.uint32)
-                f_tok.write(ids_np.tobytes())
-                if with_mask:
-                    mask_np = np.asarray(mask, dtype=np.uint8)
-                    f_mask.write(mask_np.tobytes())
-                    trained = int(mask_np[1:].sum())
-                else:
-                    trained = max(0, len(ids) - 1)
-                offsets.append(offsets[-1] + len(ids))
-                doc_trained.append(trained)
-                if len(ids):
-                    counts["max_id"] = max(counts["max_id"], int(ids_np.max()))
-            first += len(docs)
-            bar.update(len(docs))
+        for encoded in _encoded_batches(ds.select_columns(wanted), encoder, workers):
+            if len(encoded) == 2:  # (record index, what is wrong with it)
+                raise ValueError(f"data.source = {spec!r}: {src.locate(encoded[0])} {encoded[1]}")
+            ids_N, lengths_D, masks_N, trained_D = encoded
+            f_tok.write(ids_N.tobytes())
+            if with_mask:
+                f_mask.write(masks_N.tobytes())
+            offsets.extend((offsets[-1] + np.cumsum(lengths_D)).tolist())
+            doc_trained.extend(trained_D.tolist())
+            if len(ids_N):
+                counts["max_id"] = max(counts["max_id"], int(ids_N.max()))
+            bar.update(len(lengths_D))
     if offsets[-1] == 0 or sum(doc_trained) == 0:
         what = "no tokens" if offsets[-1] == 0 else "no trained token (no assistant turn with content)"
         raise ValueError(f"data.source = {spec!r}: its {len(ds)} records give {what}; check the data and "

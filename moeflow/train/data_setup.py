@@ -12,6 +12,7 @@ The validation split of the cache path is the last data.val_fraction of the docu
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -106,7 +107,15 @@ def prepare(cfg: JobConfig, progress: bool | None = None) -> Path:
         open_cache(cfg.data.source, encoder.fingerprint)  # refuses one written by another tokenizer
         return Path(cfg.data.source)
     return write_cache(resolve(cfg.data.source), encoder, cache_root(cfg), max_bytes=cfg.data.max_bytes,
-                       progress=progress)
+                       progress=progress, workers=cfg.data.tokenize_workers or _default_workers())
+
+
+def _default_workers() -> int:
+    """Every core where nothing else runs yet (the launcher, one process); inside a rank, whose process group
+    already has threads that a fork would copy mid-flight, the rank alone unless data.tokenize_workers says."""
+    import torch.distributed as dist
+
+    return 1 if dist.is_initialized() else os.cpu_count() or 1
 
 
 def _prepare_on_rank0(cfg: JobConfig, is_main: bool) -> tuple[Path, str]:

@@ -123,6 +123,32 @@ def test_cache_written_once_keyed_by_tokenizer_and_memory_mapped(tmp_path, tok_d
     assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp" in p.name]
 
 
+@pytest.mark.parametrize("fmt", ["chat", "text"])
+def test_tokenizing_in_worker_processes_writes_the_same_cache(tmp_path, tok_dir, fmt):
+    """1200 records (3 batches of 512) tokenized by 1 and by 3 worker processes: the same files, byte for byte;
+    and a bad record deep in a later batch is the same one line from a worker."""
+    from moeflow.data.token_cache import _BATCH
+
+    rng = random.Random(0)
+    records = conversations(1200) if fmt == "chat" else [{"text": sentence(rng)} for _ in range(1200)]
+    assert len(records) > 2 * _BATCH
+    data = write_jsonl(tmp_path / "records.jsonl", records)
+    folders = [prepare(_cfg(tmp_path / f"w{n}", data, f"--data.format={fmt}", f"--data.tokenize_workers={n}",
+                            tok=tok_dir)) for n in (1, 3)]
+    for name in ("tokens.bin", "trained.bin", "offsets.bin", "doc_trained.bin"):
+        one, three = (folder / name for folder in folders)
+        assert one.exists() == three.exists() and (not one.exists() or one.read_bytes() == three.read_bytes())
+    bad = records[:1100] + [{"messages": "nope"} if fmt == "chat" else {"text": 7}] + records[1100:]
+    broken = write_jsonl(tmp_path / "broken.jsonl", bad)
+    messages = []
+    for n in (1, 3):
+        with pytest.raises(ValueError) as e:
+            prepare(_cfg(tmp_path / f"b{n}", broken, f"--data.format={fmt}", f"--data.tokenize_workers={n}",
+                         tok=tok_dir))
+        messages.append(str(e.value))
+    assert messages[0] == messages[1] and "line 1101" in messages[0]
+
+
 # ---------------------------------------------------------------------------------------------- packing
 
 
