@@ -437,10 +437,7 @@ class JobConfig:
                             zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp, cp=p.cp)
         dims.check_model(self.model)
         dims.check_sequence(self.data.seq_len)
-        if t.optimizer == "muon" and world_size > 1:
-            raise ValueError(f"training.optimizer = 'muon' on {world_size} ranks is not supported yet (Newton-Schulz "
-                             f"needs whole matrices; the sharded scheme is not written); run it on 1 process or use "
-                             f"training.optimizer = 'adamw'")
+
         if p.ep_backend in EP_LIBRARIES and dims.ep > 1 and dims.ep not in DEEP_EP_GROUP_SIZES:
             # The library's own config table decides at start-up (UCCL-EP lacks 48 and 96); this is the part
             # both share, checked before any rank starts: DeepEP V1's get_dispatch_config keys.

@@ -62,6 +62,32 @@ def newton_schulz(update: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS
     return x.T if tall else x
 
 
+def _orthogonalised(update: torch.Tensor, steps: int, turn: int) -> tuple[torch.Tensor, int]:
+    """(NS of each matrix of `update`, laid out as `update`; the next turn). A sharded update (a DTensor: FSDP2,
+    TP) is gathered whole on every rank of its mesh; matrix i is orthogonalised by the mesh's rank turn + i (mod
+    its size) alone, the others contribute zeros, and a sum over the mesh's dims gives every rank every result,
+    which each cuts back to its shard. No matrix is orthogonalised twice."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    whole = update.full_tensor() if isinstance(update, DTensor) else update
+    matrices = whole.unsqueeze(0) if whole.ndim == 2 else whole.flatten(0, -3)  # experts: E matrices
+    if not isinstance(update, DTensor) or update.device_mesh.size() == 1:
+        out = torch.stack([newton_schulz(m, steps) for m in matrices])
+    else:
+        mesh = update.device_mesh
+        me = mesh.mesh.flatten().tolist().index(torch.distributed.get_rank())
+        out = torch.zeros(matrices.shape, dtype=torch.bfloat16, device=matrices.device)
+        for i, m in enumerate(matrices):
+            if (turn + i) % mesh.size() == me:
+                out[i] = newton_schulz(m, steps)
+        for dim in range(mesh.ndim):
+            torch.distributed.all_reduce(out, group=mesh.get_group(dim))
+    out = out.view(whole.shape)
+    if isinstance(update, DTensor):
+        out = distribute_tensor(out, update.device_mesh, update.placements, src_data_rank=None)
+    return out, turn + len(matrices)
+
+
 def adjusted_lr(lr: float, adjust: str, shape: torch.Size) -> float:
     A, B = shape
     return lr * (0.2 * math.sqrt(max(A, B)) if adjust == "match_rms_adamw" else math.sqrt(max(1, A / B)))
@@ -92,6 +118,7 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        turn = 0  # matrices orthogonalised so far this step: the owner of the next is turn mod the mesh's size
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -101,10 +128,9 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)
             update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-            matrices = update.unsqueeze(0) if update.ndim == 2 else update.flatten(0, -3)  # experts: E matrices
-            ortho = torch.stack([newton_schulz(m, group["ns_steps"]) for m in matrices]).to(p.dtype)
+            ortho, turn = _orthogonalised(update, group["ns_steps"], turn)
             p.mul_(1 - lr * wd)
-            p.add_(ortho.view_as(p), alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape[-2:]))
+            p.add_(ortho.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape[-2:]))
 
     def _adamw_step(self, group: dict) -> None:
         from torch.optim.adam import adam
