@@ -104,7 +104,7 @@ class TrainingConfig:
     """'adamw', or 'muon': Muon (orthogonalised momentum, torch.optim.Muon's update) on every matrix of the
     blocks - attention and MLP projections, each expert's matrices, MLA's projections - and AdamW (its betas,
     training.muon_adamw_lr) on the embedding, the output head, norms, biases and the routers' gates, as Moonlight's
-    recipe. One process for now."""
+    recipe. Every layout: each matrix is orthogonalised whole, by one rank."""
     muon_momentum: float = 0.95
     """Muon's momentum."""
     muon_nesterov: bool = True
