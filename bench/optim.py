@@ -1,0 +1,164 @@
+"""Muon against AdamW on tiny-moe: the optimizer step's time, the Newton-Schulz part alone, and a whole training
+step, on 1 process and on 2 gloo ranks (dp_shard=2 and ep=2), each optimizer measured in the same run.
+
+    .venv/bin/python bench/optim.py                      # writes bench/out/optim.{json,png}
+    .venv/bin/python bench/optim.py --out bench/results  # the committed figures
+    .venv/bin/python bench/optim.py --quick              # 3 repeats: a smoke run
+
+Each case builds tiny-moe (fp32, one thread per rank) with moeflow.parallelize, a fixed batch per rank
+(4 x 128 tokens), and the trainer's optimizer of each kind (moeflow/train/build.py: AdamW over every parameter,
+or Muon over the block matrices and each expert matrix with AdamW for the rest); the two alternate, step by
+step, and the median of the slowest rank counts. Reported per case and optimizer: the training step (forward,
+backward, optimizer) and the optimizer step alone, in ms; for Muon also the time spent in Newton-Schulz (timed by
+wrapping moeflow.train.muon.newton_schulz) and the number of matrices each rank orthogonalised, summed over the
+ranks against the matrices of the model (each once: no matrix twice). Target (issue): the Muon step <= 1.15x
+AdamW's at 1 rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+CASES = {"1 process": (1, {}), "dp_shard=2": (2, {"parallel.zero": 3}), "ep=2": (2, {"parallel.ep": 2})}
+B, S = 4, 128
+
+
+def _worker(rank: int, world: int, layout: dict, repeats: int, tmp: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    from moeflow.config import load_config
+    from moeflow.train import muon as muon_module
+    from moeflow.train.build import build_model
+
+    calls = {"n": 0, "s": 0.0}
+    plain = muon_module.newton_schulz
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = plain(*args, **kwargs)
+        calls["n"], calls["s"] = calls["n"] + 1, calls["s"] + time.perf_counter() - t0
+        return out
+
+    muon_module.newton_schulz = timed
+    runs = {}
+    for name in ("adamw", "muon"):
+        cfg = load_config(None, {"training.optimizer": name, "data.seq_len": S, "training.global_batch": B * world,
+                                 **layout})
+        dims, batch = cfg.layout(world)
+        torch.manual_seed(0)
+        par, opt, _ = build_model(cfg, torch.device("cpu"), dims, batch)
+        runs[name] = (par, opt)
+    gen = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(0, 256, (B, S + 1), generator=gen)
+
+    def step(name: str) -> tuple[float, float]:
+        par, opt = runs[name]
+        t0 = time.perf_counter()
+        par.runner.train_step(ids[:, :-1], ids[:, 1:])
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        return t2 - t0, t2 - t1
+
+    for name in runs:  # warm-up
+        step(name)
+    calls.update(n=0, s=0.0)
+    times = {name: [] for name in runs}
+    for r in range(repeats):
+        for name in (("adamw", "muon") if r % 2 == 0 else ("muon", "adamw")):
+            times[name].append(step(name))
+    from moeflow.models.transformer import Transformer
+
+    with torch.device("meta"):  # the whole model's matrices (a rank under ep holds a slice of the experts)
+        whole = Transformer(cfg.model)
+    matrices = sum(p.shape[0] if p.ndim == 3 else 1 for p in muon_module.muon_parameters(whole)[0])
+    out = {name: {"step_s": statistics.median(t for t, _ in v), "optim_s": statistics.median(o for _, o in v)}
+           for name, v in times.items()}
+    out["muon"].update(ns_s=calls["s"] / repeats, ns_matrices=calls["n"] / repeats, model_matrices=matrices)
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    import torch
+    import torch.multiprocessing as mp
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO / "bench" / "out"))
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    repeats = 3 if args.quick else args.repeats
+    rows = []
+    for case, (world, layout) in CASES.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            if world == 1:
+                _worker(0, 1, layout, repeats, tmp)
+            else:
+                mp.spawn(_worker, args=(world, layout, repeats, tmp), nprocs=world, join=True)
+            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+        for name in ("adamw", "muon"):
+            row = {"case": case, "optimizer": name,
+                   "step_ms": 1e3 * max(r[name]["step_s"] for r in ranks),
+                   "optim_ms": 1e3 * max(r[name]["optim_s"] for r in ranks)}
+            if name == "muon":
+                row.update(ns_ms=1e3 * max(r["muon"]["ns_s"] for r in ranks),
+                           ns_matrices=sum(r["muon"]["ns_matrices"] for r in ranks),
+                           model_matrices=ranks[0]["muon"]["model_matrices"])
+            rows.append(row)
+    by = {(r["case"], r["optimizer"]): r for r in rows}
+    print(f"\ntiny-moe, fp32, {B} x {S} tokens per rank, medians of {repeats} alternating steps (slowest rank)\n")
+    print(f"{'case':<12} {'optimizer':<7} {'step ms':>8} {'optim ms':>9} {'NS ms':>7} {'matrices NS / model':>20}"
+          f" {'step vs adamw':>14}")
+    for r in rows:
+        ratio = r["step_ms"] / by[(r["case"], "adamw")]["step_ms"]
+        ns = f"{r['ns_ms']:.1f}" if "ns_ms" in r else "-"
+        mats = f"{r['ns_matrices']:.0f} / {r['model_matrices']}" if "ns_matrices" in r else "-"
+        r["step_vs_adamw"] = ratio
+        print(f"{r['case']:<12} {r['optimizer']:<7} {r['step_ms']:>8.1f} {r['optim_ms']:>9.1f} {ns:>7} {mats:>20}"
+              f" {ratio:>14.2f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, "tokens_per_rank": B * S}
+    (out / "optim.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    _plot(rows, out / "optim.png")
+    print(f"\nwrote {out / 'optim.json'} and optim.png")
+    return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for i, name in enumerate(("adamw", "muon")):
+        ax.bar([x + 0.4 * i for x in range(len(cases))], [r["step_ms"] for r in rows if r["optimizer"] == name],
+               0.4, label=name)
+    ax.set_xticks([x + 0.2 for x in range(len(cases))], cases)
+    ax.set_ylabel("training step, ms (slowest rank)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
