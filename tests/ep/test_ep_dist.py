@@ -127,6 +127,7 @@ def test_world4_two_nodes_of_two():
     check_results(ep_worker.launch(4, cases), cases)
 
 
+@pytest.mark.slow  # 8 ranks (25 s): make test runs it, CI the 2- and 4-rank cases
 @pytest.mark.timeout(240)
 def test_world8_2x4_and_4x2():
     layouts = [("hierarchical", 4), ("hierarchical", 2), ("alltoall", 4), ("alltoall", 2), ("allgather", 4)]

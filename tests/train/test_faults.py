@@ -159,6 +159,7 @@ def test_a_hung_rank_is_reported_with_every_ranks_stacks(tmp_path):
     assert "main thread: not in a collective" in sleeping and "faults.py" in sleeping
 
 
+@pytest.mark.slow  # 14 s; bench/reproducibility.py checks every layout so too
 def test_the_same_layouts_twice_give_identical_losses(tmp_path):
     """Two layouts of the matrix (tensor parallel, and the zero-bubble pipeline schedule), each trained in two
     separate launches of two processes: losses and gradient norms equal bit for bit."""
