@@ -137,6 +137,13 @@ def build(cfg: JobConfig, info: DistInfo, dims: ParallelDims, batch: BatchSplit)
         if not val and info.is_main:
             print(f"note: the validation split has fewer than training.global_batch ({t.global_batch}) windows, "
                   f"which a pipeline-parallel run cannot evaluate; raise data.val_fraction to get val_loss")
+    if dims.dp > 1 and any(b.inputs.shape[0] < dims.dp for b in val):
+        # every data-parallel rank scores its rows of each batch (and under ep takes part in every forward)
+        short = sum(b.inputs.shape[0] < dims.dp for b in val)
+        val = [b for b in val if b.inputs.shape[0] >= dims.dp]
+        if info.is_main:
+            print(f"note: {short} validation batch(es) hold fewer sequences than the {dims.dp} data-parallel ranks "
+                  f"and are not scored (a source's validation split is that small); raise data.val_fraction")
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
     return Setup(info, par.model, par, optimizer, scheduler, sampler, val, batch, describe_layout(cfg, dims, par),
                  bytes_read, data.summary)

@@ -107,3 +107,19 @@ def test_a_blended_run_counts_each_source_and_resumes_exactly(tmp_path):
 def test_bad_weights_are_one_line(tmp_path, blend, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, _overrides(tmp_path, **{"data.blend": blend}))
+
+
+def test_two_ranks_train_the_one_process_blend_and_skip_a_too_small_validation_batch(tmp_path):
+    """ep=2 on 2 ranks: the one-process blended losses; the Megatron source's validation split is one sequence,
+    fewer than the 2 data-parallel ranks, so that batch is dropped (a rank without rows would fail) and the
+    validation loss is the other source's."""
+    from tests.parallel.layout_worker import launch
+
+    more = {"data.seq_len": 64, "eval.every": 3}
+    train(load_config(None, _overrides(tmp_path / "one", **more)), progress=False)
+    argv = [f"--{k}={v}" for k, v in _overrides(tmp_path / "ep2", **more, **{"parallel.ep": 2}).items()]
+    assert launch(2, [("ep2", argv, str(tmp_path / "ep2"), False)]) == {"ep2": "ok"}
+    rows = {run: [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+            for run in ("one", "ep2")}
+    np.testing.assert_allclose([r["loss"] for r in rows["ep2"]], [r["loss"] for r in rows["one"]], rtol=1e-5)
+    assert rows["ep2"][-1]["val_loss"] > 0 and rows["ep2"][-1]["data_tokens"] == rows["one"][-1]["data_tokens"]
