@@ -6,8 +6,8 @@ behind its weight after n sequences: argmax_k (w_k (n + 1) - c_k(n)), c_k(n) bei
 from source k (ties to the first source) - the rule of Megatron's BlendedDataset, so after any number of
 sequences every source is within one sequence of its weight. Inside a source the sequences are shuffled epoch
 after epoch from the seed as a single source's are (moeflow.data.stream.BatchSampler), each source wrapping on its
-own. The position is one count, the sequences consumed: the schedule and every source's position follow from
-it, so a blend resumes exactly under any layout.
+own. The position is the sequences consumed, with how many came from each source (what the schedule gives after
+that many, kept so a resume need not replay it), so a blend resumes exactly under any layout.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ class BlendSampler:
         return {"step": self.step, "seed": self.seed, "consumed": self.consumed, "seq_len": self.seq_len,
                 "global_batch": self.global_batch, "blend": [[s.name, s.weight] for s in self.sources],
                 "data": [stream.source.key for stream in self.streams],
-                "num_windows": [stream.num_windows for stream in self.streams], "trained": list(self.trained)}
+                "num_windows": [stream.num_windows for stream in self.streams], "trained": list(self.trained),
+                "counts": self.counts.tolist()}  # c_k(consumed): derivable, but replaying the schedule is O(consumed)
 
     def load_state_dict(self, sd: dict) -> None:
         mine = [[s.name, s.weight] for s in self.sources]
@@ -94,8 +95,7 @@ class BlendSampler:
                 raise ValueError(f"cannot resume the data sampler: {key} was {sd[key]} in the checkpoint but is "
                                  f"{now} now; resume with the same data and settings, or start a new run directory")
         self.step, self.consumed = int(sd["step"]), int(sd["consumed"])
-        self.counts = np.zeros(len(self.sources), dtype=np.int64)
-        schedule_counts(self.weights, 0, self.consumed, self.counts)
+        self.counts = np.array(sd["counts"], dtype=np.int64)
         self.trained = [int(t) for t in sd["trained"]]
 
 

@@ -106,10 +106,6 @@ def is_factor(fqn: str) -> bool:
     return fqn.rsplit(".", 1)[-1] in LINEAR_FACTORS + EXPERT_FACTORS
 
 
-def has_lora(model: nn.Module) -> bool:
-    return any(is_factor(n) for n, _ in model.named_parameters())
-
-
 def _seed_of(seed: int, fqn: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(fqn.encode())) % 2**63
 

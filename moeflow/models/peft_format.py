@@ -25,7 +25,7 @@ import torch
 from moeflow.core.model_config import ModelConfig
 from moeflow.models import lora
 
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # (peft's LoraConfig.save_pretrained writes adapter_config.json)
 ADAPTER_DIR = "adapter"  # under RUN_DIR
 
 

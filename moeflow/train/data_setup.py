@@ -194,7 +194,10 @@ def _blend(cfg: JobConfig, is_main: bool) -> Data:
     sources, val, summaries = [], [], []
     for weight, source in pairs:
         one = replace(cfg, data=replace(cfg.data, source=source, blend=""))
-        part = build_data(one, is_main)
+        try:
+            part = build_data(one, is_main)
+        except ValueError as e:
+            raise ValueError(f"data.blend = {cfg.data.blend!r}, source {source!r}: {e}") from None
         sources.append(BlendSource(source, weight / total, part.train))
         val += part.val  # each source's held-out tail
         stream = part.train if isinstance(part.train, np.ndarray) else None

@@ -10,7 +10,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from moeflow.config import load_config
@@ -106,4 +105,3 @@ def test_ids_over_the_vocabulary_and_a_chat_format_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"data.format = 'chat' with the Megatron dataset .*: its documents are "
                                          r"token ids already"):
         build_data(load_config(None, _overrides(FIXTURES / "small_uint16", tmp_path, **{"data.format": "chat"})))
-    assert np.dtype(megatron.DTYPES[8]) == np.uint16  # the code table the reader decodes (megatron-core's DType)

@@ -38,3 +38,15 @@ def refused_on_old_torch(argv: list[str]) -> bool:
     except ValueError:
         return True
     return False
+
+
+def assert_one_line(check, message: str | None) -> None:
+    """`check()` passes when `message` is None; otherwise it raises one ValueError line matching `message`."""
+    import pytest
+
+    if message is None:
+        check()
+        return
+    with pytest.raises(ValueError, match=message) as e:
+        check()
+    assert "\n" not in str(e.value)
