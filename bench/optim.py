@@ -1,5 +1,5 @@
 """Muon against AdamW on tiny-moe: the optimizer step's time, the Newton-Schulz part alone, and a whole training
-step, on 1 process and on 2 gloo ranks (dp_shard=2 and ep=2), each optimizer measured in the same run.
+step, on 1 process, 2 gloo ranks (dp_shard, ep, tp) and 4 (dp_shard, ep), each optimizer measured in the same run.
 
     .venv/bin/python bench/optim.py                      # writes bench/out/optim.{json,png}
     .venv/bin/python bench/optim.py --out bench/results  # the committed figures
@@ -11,7 +11,9 @@ or Muon over the block matrices and each expert matrix with AdamW for the rest);
 step, and the median of the slowest rank counts. Reported per case and optimizer: the training step (forward,
 backward, optimizer) and the optimizer step alone, in ms; for Muon also the time spent in Newton-Schulz (timed by
 wrapping moeflow.train.muon.newton_schulz) and the number of matrices each rank orthogonalised, summed over the
-ranks against the matrices of the model (each once: no matrix twice). Target (issue): the Muon step <= 1.15x
+ranks against the matrices of the model (each once: no matrix twice), and the bytes one rank's Muon step sends
+(counted from its collectives' tensors, ring volumes: tests/support/collective_bytes.py) against moeflow plan's
+prediction for the layout (moeflow.plan.optimizer). Target (issue): the Muon step <= 1.15x
 AdamW's at 1 rank.
 """
 
@@ -28,7 +30,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-CASES = {"1 process": (1, {}), "dp_shard=2": (2, {"parallel.zero": 3}), "ep=2": (2, {"parallel.ep": 2})}
+CASES = {"1 process": (1, {}), "dp_shard=2": (2, {"parallel.zero": 3}), "ep=2": (2, {"parallel.ep": 2}),
+         "tp=2": (2, {"parallel.tp": 2}), "dp_shard=4": (4, {"parallel.zero": 3}), "ep=4": (4, {"parallel.ep": 4})}
 B, S = 4, 128
 
 
@@ -89,10 +92,29 @@ def _worker(rank: int, world: int, layout: dict, repeats: int, tmp: str) -> None
     matrices = sum(p.shape[0] if p.ndim == 3 else 1 for p in muon_module.muon_parameters(whole)[0])
     out = {name: {"step_s": statistics.median(t for t, _ in v), "optim_s": statistics.median(o for _, o in v)}
            for name, v in times.items()}
-    out["muon"].update(ns_s=calls["s"] / repeats, ns_matrices=calls["n"] / repeats, model_matrices=matrices)
+    out["muon"].update(ns_s=calls["s"] / repeats, ns_matrices=calls["n"] / repeats, model_matrices=matrices,
+                       **_bytes_against_plan(cfg, dims, runs["muon"], ids))
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
     if world > 1:
         dist.destroy_process_group()
+
+
+def _bytes_against_plan(cfg, dims, run, ids) -> dict:
+    """Bytes this rank's Muon step sends (counted from the collectives' tensors) and what moeflow plan predicts
+    for the layout (moeflow.plan.optimizer)."""
+    from moeflow.core.hardware import get_gpu
+    from moeflow.plan.layout import Job, Layout
+    from moeflow.plan.optimizer import muon_rank_cost
+    from tests.support.collective_bytes import CollectiveBytes
+
+    par, opt = run
+    par.runner.train_step(ids[:, :-1], ids[:, 1:])
+    with CollectiveBytes() as measured:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    job = Job(cfg.model, get_gpu("H100-80GB"), 1, max(2, dims.world_size), S, B * S * dims.world_size, optimizer="muon")
+    cost = muon_rank_cost(job, Layout(dims, 1, "none"), list(range(cfg.model.n_layers)))
+    return {"sent_bytes": measured.sent, "planned_bytes": cost["intra_bytes"] + cost["inter_bytes"]}
 
 
 def main(argv=None) -> int:
@@ -120,19 +142,22 @@ def main(argv=None) -> int:
             if name == "muon":
                 row.update(ns_ms=1e3 * max(r["muon"]["ns_s"] for r in ranks),
                            ns_matrices=sum(r["muon"]["ns_matrices"] for r in ranks),
-                           model_matrices=ranks[0]["muon"]["model_matrices"])
+                           model_matrices=ranks[0]["muon"]["model_matrices"],
+                           sent_mb=max(r["muon"]["sent_bytes"] for r in ranks) / 1e6,
+                           planned_mb=max(r["muon"]["planned_bytes"] for r in ranks) / 1e6)
             rows.append(row)
     by = {(r["case"], r["optimizer"]): r for r in rows}
     print(f"\ntiny-moe, fp32, {B} x {S} tokens per rank, medians of {repeats} alternating steps (slowest rank)\n")
     print(f"{'case':<12} {'optimizer':<7} {'step ms':>8} {'optim ms':>9} {'NS ms':>7} {'matrices NS / model':>20}"
-          f" {'step vs adamw':>14}")
+          f" {'step vs adamw':>14} {'MB sent / planned':>18}")
     for r in rows:
         ratio = r["step_ms"] / by[(r["case"], "adamw")]["step_ms"]
         ns = f"{r['ns_ms']:.1f}" if "ns_ms" in r else "-"
         mats = f"{r['ns_matrices']:.0f} / {r['model_matrices']}" if "ns_matrices" in r else "-"
         r["step_vs_adamw"] = ratio
+        sent = f"{r['sent_mb']:.3f} / {r['planned_mb']:.3f}" if "sent_mb" in r else "-"
         print(f"{r['case']:<12} {r['optimizer']:<7} {r['step_ms']:>8.1f} {r['optim_ms']:>9.1f} {ns:>7} {mats:>20}"
-              f" {ratio:>14.2f}")
+              f" {ratio:>14.2f} {sent:>18}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, "tokens_per_rank": B * S}

@@ -29,7 +29,9 @@ ASSUMPTIONS = [
     "EP traffic from uniform routing with per-rank dedup inside a node, per-node dedup across nodes",
     "bf16 weights and grads, fp32 AdamW state (16 bytes/param before sharding); fp8/mxfp8 change only the FLOP/s "
     "of the matmuls training.fp8 converts (dense, attention and expert projections); EP traffic stays bf16",
-    "optimizer step and data loading time not modelled",
+    "AdamW's optimizer step and data loading time not modelled; --optimizer muon adds Muon's Newton-Schulz FLOPs "
+    "and whole-matrix gathers after backward, not overlapped, and its 8 bytes/param of state for the block "
+    "matrices (moeflow.plan.optimizer)",
 ]
 
 
@@ -103,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep-overlap", action="store_true",
                    help="cost expert-parallel dispatch/combine as overlapped with another micro-batch's compute, "
                    "hidden up to that compute (DualPipe; the trainer does not run it: use it to model runs that do)")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="the trainer's training.optimizer: muon adds its Newton-Schulz FLOPs, its gathers of whole "
+                   "matrices and its state (one fp32 momentum instead of AdamW's two moments) to every layout "
+                   "(default adamw)")
+    p.add_argument("--ns-steps", type=int, default=5, help="Muon's Newton-Schulz iterations, training.muon_ns_steps "
+                   "(default 5)")
     p.add_argument("--top", type=int, default=5, help="feasible layouts to show (default 5)")
     p.add_argument("--infeasible", type=int, default=3, help="close infeasible layouts to show (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON (key 'layouts') instead of a table")
@@ -126,7 +134,7 @@ def plan(job: Job, cons: Constraints | None = None, top: int = 5, infeasible: in
         "job": {"model": cfg.name, "params": cfg.num_params(), "active_params": cfg.num_active_params(),
                 "gpu": job.gpu.name, "nodes": job.nodes, "gpus_per_node": job.gpus_per_node,
                 "seq_len": job.seq_len, "global_batch_tokens": job.global_batch_tokens,
-                "precision": job.precision},
+                "precision": job.precision, "optimizer": job.optimizer},
         "hardware": {"memory_gb": job.gpu.memory_gb, "peak_tflops": job.gpu.peak_flops(job.precision) / 1e12,
                      "matmul_efficiency": job.gpu.matmul_fraction(job.precision), "hbm_gbps": job.gpu.hbm_gbps,
                      "intra_gbps": job.intra, "inter_gbps": job.inter, "ep_overlap": job.ep_overlap,
@@ -146,7 +154,7 @@ def format_table(out: dict) -> str:
     lines = [
         f"{j['model']} ({j['params'] / 1e9:.1f}B total, {j['active_params'] / 1e9:.1f}B active) on "
         f"{j['nodes']}x{j['gpus_per_node']} {j['gpu']}, seq {j['seq_len']}, {j['global_batch_tokens']} tokens/step, "
-        f"{j['precision']}; {out['searched']} layouts searched, {out['feasible']} fit",
+        f"{j['precision']}, {j.get('optimizer', 'adamw')}; {out['searched']} layouts searched, {out['feasible']} fit",
         "",
         f"{'#':>3} {'dp_rep':>6} {'dp_sh':>5} {'tp':>3} {'pp':>3} {'schedule':>{sw}} {'ep':>4} {cp_head}{'zero':>4} "
         f"{'mb':>3} {'ac':>5} {'mem GB':>7} "
@@ -187,7 +195,8 @@ def write_png(out: dict, path: str) -> None:
     ax1.bar(range(len(rows)), [r["tokens_per_s_per_gpu"] for r in rows], color=colors)
     ax1.set_ylabel("tokens/s per GPU (gray: does not fit)")
     bottom = [0.0] * len(rows)
-    for part in ("params", "grads", "optimizer", "activations", "ep_buffers", "zero3_gather", "reserved"):
+    for part in ("params", "grads", "optimizer", "optimizer_step", "activations", "ep_buffers", "zero3_gather",
+                 "reserved"):
         vals = [r["memory_gb"][part] for r in rows]
         ax2.bar(range(len(rows)), vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
@@ -221,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             gpu = replace(gpu, matmul_efficiency=args.efficiency, fp8_matmul_efficiency=args.efficiency)
         job = Job(cfg, gpu, args.nodes, args.gpus_per_node, args.seq_len, args.global_batch_tokens,
                   args.precision, args.intra_gbps, args.inter_gbps, ep_overlap=args.ep_overlap,
-                  ep_chunks=args.ep_chunks, ep_static_sizes=args.ep_static)
+                  ep_chunks=args.ep_chunks, ep_static_sizes=args.ep_static, optimizer=args.optimizer,
+                  ns_steps=args.ns_steps)
         cons = Constraints(args.tp, args.pp, args.ep, args.zero, args.pp_schedule, args.cp)
         out = plan(job, cons, args.top, args.infeasible)
     except ValueError as e:

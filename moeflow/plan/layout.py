@@ -79,6 +79,11 @@ class Job:
     """Expert-parallel dispatch/combine runs while another micro-batch computes (DualPipe, DeepSeek-V3 report
     sec. 3.2.1), hidden up to that compute (moeflow.plan.time). The trainer does not schedule micro-batches
     this way; this models published runs that do. Replaces `ep_chunks` when set."""
+    optimizer: str = "adamw"
+    """The trainer's training.optimizer: 'adamw' (the baseline: its step is not modelled) or 'muon', whose state,
+    Newton-Schulz FLOPs and gathers the plan adds (moeflow.plan.optimizer)."""
+    ns_steps: int = 5
+    """Muon's Newton-Schulz iterations (training.muon_ns_steps)."""
 
     @property
     def world(self) -> int:
@@ -123,6 +128,10 @@ class Job:
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{flag} must be a positive number of GB/s, got {value}; leave it out for the "
                                  f"GPU's own ({self.gpu.name})")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"--optimizer {self.optimizer!r}: use 'adamw' or 'muon'")
+        if self.ns_steps < 1:
+            raise ValueError(f"--ns-steps must be at least 1, got {self.ns_steps}; Muon's default is 5")
         self.gpu.peak_flops(self.precision)  # raises for fp8 on a part without fp8
         if self.gpu.hbm_gbps <= 0:
             raise ValueError(f"GPU {self.gpu.name!r} has no memory bandwidth (hbm_gbps = {self.gpu.hbm_gbps}); the "

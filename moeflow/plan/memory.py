@@ -32,6 +32,7 @@ from moeflow.core.hardware import RESERVED_GB
 from moeflow.core.model_config import ModelConfig
 from moeflow.core.schedules import pipeline_layout
 from moeflow.plan.layout import Job, Layout
+from moeflow.plan.optimizer import muon_memory_bytes, muon_rank_cost, rank_layers
 from moeflow.plan.schedule import in_flight as schedule_in_flight
 
 GB = 1e9
@@ -166,6 +167,11 @@ def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
         last = any(head for _, _, head in stages)
         layers = [j for span, _, _ in stages for j in span]  # every layer this rank holds
         parts = rank_model_state(job, lay, stages)
+        parts["optimizer_step"] = 0.0
+        if job.optimizer == "muon":
+            saved, gathered = muon_memory_bytes(muon_rank_cost(job, lay, rank_layers(job, stages)))
+            parts["optimizer"] -= saved
+            parts["optimizer_step"] = gathered
         in_flight = schedule_in_flight(lay.pp_schedule, lay.pp, lay.stages_per_rank, i, m)
         acts = sum(act_by_width[st.mlp_width[j]] for j in layers) * in_flight
         if ac == "full" and len(layers):

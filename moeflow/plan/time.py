@@ -30,7 +30,8 @@
   schedules both gather once per step (parameters stay gathered, moeflow.parallel.pipeline). Gathers overlap
   their micro-batch's compute, the step's reduce-scatter the last backward and the step's gather the first
   forward; only what exceeds its window is exposed. HSDP all-reduces each shard across replicas.
-The optimizer step and data loading are not modelled.
+- The optimizer: AdamW's step (elementwise, on each shard) and data loading are not modelled; Muon adds its
+  Newton-Schulz FLOPs and its gathers of whole matrices after backward (moeflow.plan.optimizer), not overlapped.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 from moeflow.plan.compute import ATTENTION_EFFICIENCY, FBW, Rates, head_cost, layer_cost, moe_matmul_seconds
 from moeflow.plan.layout import Job, Layout
 from moeflow.plan.memory import kv_width, rank_stages, stage_params
+from moeflow.plan.optimizer import muon_rank_cost, muon_seconds, rank_layers
 from moeflow.plan.overlap import exposed_ep_seconds
 from moeflow.plan.schedule import ZERO_BUBBLE, bubble_seconds
 from moeflow.sim.ep import Links, expected_uniform_copies, row_bytes
@@ -214,6 +216,16 @@ def _dp_exposed(job: Job, lay: Layout, m: int, rank: tuple, comp: FBW, links: Li
             + max(0.0, step_gather - comp.f))
 
 
+def optimizer_seconds(job: Job, lay: Layout, links: Links) -> float:
+    """What the optimizer adds to the step beyond AdamW's (unmodelled) one: Muon's Newton-Schulz and gathers on
+    the slowest pipeline rank (moeflow.plan.optimizer), after its backward."""
+    if job.optimizer != "muon":
+        return 0.0
+    matmul = rates(job, "bf16").matmul_flops
+    return max(muon_seconds(muon_rank_cost(job, lay, rank_layers(job, stages)), links, matmul)
+               for stages in rank_stages(job, lay))
+
+
 def step_time(job: Job, lay: Layout) -> dict[str, float]:
     """Seconds per training step (and its parts) for the slowest pipeline rank."""
     links = Links(job.intra, job.inter)
@@ -224,7 +236,8 @@ def step_time(job: Job, lay: Layout) -> dict[str, float]:
     bubble = bubble_seconds(lay.pp_schedule, lay.pp, lay.stages_per_rank, fbw)
     t_pipe = m * fbw.total + bubble
     t_dp = max(_dp_exposed(job, lay, m, rank, r["comp"], links) for rank, r in per_rank)
-    step = t_pipe + t_dp
+    t_opt = optimizer_seconds(job, lay, links)
+    step = t_pipe + t_dp + t_opt
     tps = job.global_batch_tokens / job.world / step
     return {
         "step_s": step,
@@ -235,6 +248,7 @@ def step_time(job: Job, lay: Layout) -> dict[str, float]:
         "cp_s": m * slow["cp"],
         "bubble_s": bubble,
         "dp_exposed_s": t_dp,
+        "optimizer_s": t_opt,
         "bubble_fraction": bubble / t_pipe if t_pipe else 0.0,
         "tokens_per_s_per_gpu": tps,
         "mfu": job.stats.flops_per_token * tps / job.gpu.peak_flops(job.precision),

@@ -13,8 +13,9 @@ low-rank projections); AdamW (`torch.optim.adam.adam`, decoupled weight decay: t
 names) keeps the embedding, the output head, norms, biases, the routers' gates and anything 1-D, with its own
 learning rate (training.muon_adamw_lr, default training.lr).
 
-One process only for now: Newton-Schulz needs each whole matrix, and the sharded layouts' scheme (an owner rank
-per matrix, no matrix orthogonalised twice) is not written yet; the job config refuses a Muon run on more ranks.
+Sharded layouts (FSDP2, ZeRO-1, tp, efsdp): Newton-Schulz needs each whole matrix, so a sharded update is gathered
+on its mesh, each matrix is orthogonalised by one rank of it, and the results come back to the shards
+(`_orthogonalised`; docs/design.md, "Optimizers"; its cost per layout: moeflow.plan.optimizer).
 """
 
 from __future__ import annotations
