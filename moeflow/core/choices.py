@@ -42,6 +42,7 @@ OVERLONG = ("truncate", "drop", "error")
 PEFT_METHODS = ("none", "lora")
 OPTIMIZERS = ("adamw", "muon")
 MUON_LR_ADJUSTMENTS = ("match_rms_adamw", "original")
+OFFLOADS = ("none", "params")
 
 # setting -> its choices, for the checks and --help-config
 SETTINGS: dict[str, tuple[str, ...]] = {
@@ -64,6 +65,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "data.overlong": OVERLONG,
     "parallel.ep_backend": EP_BACKENDS,
     "parallel.pp_schedule": tuple(SCHEDULES),
+    "parallel.offload": OFFLOADS,
     "peft.method": PEFT_METHODS,
     "training.optimizer": OPTIMIZERS,
     "training.muon_adjust_lr": MUON_LR_ADJUSTMENTS,

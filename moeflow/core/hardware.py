@@ -27,6 +27,12 @@ dense bf16 / fp8 matmul reaches, "Maximum Achievable Matmul FLOPS" (MAMF) measur
 of 2250 (77.6%), MI300X 668.4 of 1300 (51.4%), MI325X 784.9 of 1300 (60.4%); fp8 H100 1402.6 of 1979
 (70.9%), H200 1453.4 (73.4%), B200 3432.5 of 4500 (76.3%). No fp8 figure for MI300X/MI325X: their bf16
 fraction is used (an assumption).
+Host side (ZeRO-Offload, parallel.offload): `pcie_gbps` is the GPU's host link per direction, PCIe Gen5 x16 for
+H100 / H200 / H800 / B200 / MI300X / MI325X (64 GB/s; the datasheets' "128 GB/s" is both directions) and Gen4
+x16 for the A100 (32 GB/s of the datasheet's 64); `host_gb` is the host memory per GPU of the vendor's 8-GPU
+system (DGX H100 / H200 / B200 and DGX A100 640GB: 2 TB; DGX A100 320GB: 1 TB; 2 TB assumed for MI300X / MI325X
+platforms), and `host_step_gbps` the host memory bandwidth a GPU's optimizer step gets (an assumption: a
+two-socket host's ~400 GB/s shared by 8 GPUs).
 """
 
 from __future__ import annotations
@@ -58,6 +64,12 @@ class GPU:
 
     mxfp8: bool = False
     """Tensor cores that take MXFP8 (block-scaled FP8) at the fp8 rate."""
+    pcie_gbps: float = 64.0
+    """Host link per direction, GB/s (module doc): what ZeRO-Offload's copies run at."""
+    host_gb: float = 256.0
+    """Host memory per GPU, GB (module doc): what ZeRO-Offload may fill."""
+    host_step_gbps: float = 50.0
+    """Host memory bandwidth one GPU's host-side optimizer step gets, GB/s (an assumption, module doc)."""
 
     def matmul_fraction(self, precision: str) -> float:
         """Fraction of `peak_flops(precision)` that large matmuls reach."""
@@ -89,7 +101,7 @@ class GPU:
 _H100 = GPU("H100-80GB", 989, 1979, 80, 450, 50, "NVIDIA H100 datasheet (SXM5)", hbm_gbps=3350,
             matmul_efficiency=0.803, fp8_matmul_efficiency=0.709)
 _A100 = GPU("A100-80GB", 312, None, 80, 300, 25, "NVIDIA A100 datasheet (SXM)", hbm_gbps=2039,
-            matmul_efficiency=0.869)
+            matmul_efficiency=0.869, pcie_gbps=32)
 _MI300X = GPU("MI300X", 1307.4, 2614.9, 192, 448, 50, "AMD Instinct MI300X datasheet", hbm_gbps=5300,
               matmul_efficiency=0.514)
 GPUS: dict[str, GPU] = {
@@ -101,7 +113,7 @@ GPUS: dict[str, GPU] = {
                 source="NVIDIA H200 datasheet (SXM)"),
         GPU("B200", 2250, 4500, 180, 900, 50, "NVIDIA HGX B200 datasheet", hbm_gbps=8000, mxfp8=True,
             matmul_efficiency=0.776, fp8_matmul_efficiency=0.763),
-        replace(_A100, name="A100-40GB", memory_gb=40, hbm_gbps=1555),
+        replace(_A100, name="A100-40GB", memory_gb=40, hbm_gbps=1555, host_gb=128),
         _A100,
         _MI300X,
         replace(_MI300X, name="MI325X", memory_gb=256, hbm_gbps=6000, matmul_efficiency=0.604,

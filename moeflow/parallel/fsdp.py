@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from moeflow.core.parallel_dims import ParallelDims
@@ -34,9 +34,13 @@ from moeflow.parallel.mesh import folded_moe_mesh, submesh
 
 
 def apply_fsdp(blocks: dict[str, nn.Module], stages: list[nn.Module], dims: ParallelDims, mesh,
-               matmul_dtype: torch.dtype | None = None) -> None:
-    """matmul_dtype: the dtype the blocks' matmul weights are gathered in (autocast's; see the module doc), or None."""
+               matmul_dtype: torch.dtype | None = None, offload: bool = False) -> None:
+    """matmul_dtype: the dtype the blocks' matmul weights are gathered in (autocast's; see the module doc), or None.
+    offload: every shard (weights, gradients, and so the optimizer state) in host memory (parallel.offload)."""
     fsdp = {"reshard_after_forward": dims.zero == 3}
+    if offload:
+        # pinned host memory makes the copies asynchronous; only a CUDA build can pin
+        fsdp["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     # Inputs are not cast: the residual stream stays fp32 between blocks, as under autocast alone.
     matmul = fsdp if matmul_dtype is None else {**fsdp, "mp_policy": MixedPrecisionPolicy(
         param_dtype=matmul_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)}

@@ -37,6 +37,8 @@ class ParallelOptions:
     # Tensor parallelism: {module-name pattern: ParallelStyle}; None: moeflow.parallel.tensor.tp_plan(model)
     tp_plan: dict | None = None
     device_type: str | None = None  # None: 'cuda' where available, else 'cpu'
+    # ZeRO-Offload: 'params' keeps the FSDP shards (weights, gradients, optimizer state) in host memory
+    offload: str = "none"
 
     def resolved_device_type(self) -> str:
         return self.device_type or ("cuda" if torch.cuda.is_available() else "cpu")

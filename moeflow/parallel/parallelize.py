@@ -163,7 +163,8 @@ def fsdp(b: _Build) -> None:
 
     splits_backward = dims.pp > 1 and SCHEDULES[dims.pp_schedule].splits_backward
     keep_fp32 = b.options.compile or splits_backward
-    apply_fsdp(b.blocks(), b.stages, dims, b.state.mesh, None if keep_fp32 else b.options.autocast_dtype)
+    apply_fsdp(b.blocks(), b.stages, dims, b.state.mesh, None if keep_fp32 else b.options.autocast_dtype,
+               offload=b.options.offload == "params")
     if dims.fold_experts:
         # With the MoE folded over tp, each tp rank's router sees only its own tokens (its gradient is summed over
         # tp after backward), and each tp rank holds other experts (their gradients are distinct, not copies). The

@@ -29,6 +29,8 @@ ASSUMPTIONS = [
     "EP traffic from uniform routing with per-rank dedup inside a node, per-node dedup across nodes",
     "bf16 weights and grads, fp32 AdamW state (16 bytes/param before sharding); fp8/mxfp8 change only the FLOP/s "
     "of the matmuls training.fp8 converts (dense, attention and expert projections); EP traffic stays bf16",
+    "ZeRO-Offload (parallel.offload = 'params') only when nothing fits on the devices: the ZeRO-3 shards in host "
+    "memory, their PCIe copies not overlapped, the host's AdamW step at its memory bandwidth",
     "AdamW's optimizer step and data loading time not modelled; --optimizer muon adds Muon's Newton-Schulz FLOPs "
     "and whole-matrix gathers after backward, not overlapped, and its 8 bytes/param of state for the block "
     "matrices (moeflow.plan.optimizer)",
@@ -172,6 +174,9 @@ def format_table(out: dict) -> str:
             f"{parts:>22} {r['tokens_per_s_per_gpu']:>10.0f} {r['mfu']:>5.1%} {t.get('step_s', 0):>7.2f} "
             f"{t.get('bubble_fraction', 0):>6.1%}"
         )
+        if r.get("offload", "none") != "none":
+            lines.append(f"      offload: {m['host']:.1f} GB per GPU in host memory (parallel.offload = 'params'), "
+                         f"{t.get('offload_s', 0):.2f} s of the step in PCIe copies and the host's optimizer step")
         if not r["feasible"]:
             lines.append(f"      infeasible: {r['reason']}")
     lines += ["", "Recommendation: " + out["recommendation"]["text"], "",

@@ -24,6 +24,11 @@ Context parallelism of size c (moeflow.parallel.context): a rank holds S/c of ea
 activation term above is divided by c (the scores too: S/c queries against S keys); FSDP shards the weights over
 dp_shard x c, and experts over dp_shard x c / ep. The all-gather variant also keeps, per layer, the whole
 sequence's keys and values: (c - 1) / c of them beyond the rank's own share (`cp_gathered_kv_bytes`).
+
+ZeRO-Offload (`Layout.offload`, the trainer's parallel.offload = 'params' under ZeRO-3; Ren et al. 2021,
+"ZeRO-Offload: Democratizing Billion-Scale Model Training"): the shards of the weights, their gradients and the
+optimizer state (the 16 bytes per parameter above, sharded) live in host memory (`host`, checked against the
+GPU's `host_gb`); the device keeps the layers being gathered (`zero3_gather`), activations and buffers.
 """
 
 from __future__ import annotations
@@ -194,9 +199,14 @@ def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
             parts["zero3_gather"] = 2 * 2 * big / lay.tp
         else:
             parts["zero3_gather"] = 0.0
+        host = 0.0
+        if lay.offload:
+            host = sum(parts.pop(k) for k in ("params", "grads", "optimizer"))
+            parts.update(params=0.0, grads=0.0, optimizer=0.0)
         parts = {k: v / GB for k, v in parts.items()}
         parts["reserved"] = RESERVED_GB
         parts["total"] = sum(parts.values())
+        parts["host"] = host / GB  # not part of the device's total
         parts["stage"] = i
         if not best or parts["total"] > best["total"]:
             best = parts

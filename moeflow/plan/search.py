@@ -9,11 +9,13 @@ micro_batch and activation checkpointing fill the rest; with pp > 1 the pipeline
 that fits (scoring memory for the others only when the faster ones do not fit: the search stays under a second).
 Under flash attention "selective" recomputation is what "none" already does (moeflow.plan.compute), so only none and
 full are listed, the trainer's choices.
-Feasible = fits in memory and the global batch splits into whole micro-batches."""
+When no layout fits, the ZeRO-3 layouts are scored again with ZeRO-Offload (parallel.offload = 'params': the
+shards in host memory, moeflow.plan.memory).
+Feasible = fits in device (and, offloaded, host) memory and the global batch splits into whole micro-batches."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moeflow.core.parallel_dims import ParallelDims
 from moeflow.core.schedules import SCHEDULES, resolve_schedule
@@ -171,6 +173,9 @@ def evaluate(job: Job, lay: Layout, time: dict | None = None) -> Result:
                       f"micro_batch={lay.micro_batch} whole micro-batches")
     t = time or step_time(job, lay)
     cap = job.gpu.memory_gb
+    if mem["host"] > job.gpu.host_gb:
+        return Result(lay, False, mem, t, f"offloads {mem['host']:.1f} GB > {job.gpu.host_gb:.0f} GB of host memory "
+                      f"per GPU")
     if mem["total"] > cap:
         part = max((k for k in ("params", "grads", "optimizer", "activations")), key=lambda k: mem[k])
         return Result(lay, False, mem, t, f"needs {mem['total']:.1f} GB > {cap:.0f} GB per GPU "
@@ -204,6 +209,10 @@ def search(job: Job, cons: Constraints | None = None) -> list[Result]:
     if cons:
         cons.check(job)
     scored = [best_of_group(job, group) for group in candidates(job, cons)]
+    if not any(r.feasible for r, _ in scored) and job.optimizer == "adamw":  # the trainer offloads AdamW only
+        # ZeRO-Offload only when nothing fits on the devices: it buys memory with PCIe traffic and a host step
+        scored += [best_of_group(job, [replace(lay, offload=True) for lay in group])
+                   for group in candidates(job, cons) if group[0].zero == 3]
     results = [r for r, _ in scored]
     job.stats.cache["searched"] = sum(n for _, n in scored)
     if not results:
@@ -221,6 +230,12 @@ def shortfall_message(job: Job, results: list[Result]) -> str:
     """Why nothing fits: the smallest memory any layout needs vs what a GPU has."""
     best = min(results, key=lambda r: r.memory_gb["total"])
     need, cap = best.memory_gb["total"], job.gpu.memory_gb
+    if need <= cap and best.memory_gb["host"] > job.gpu.host_gb:
+        host = min(r.memory_gb["host"] for r in results if r.layout.offload)
+        return (f"the cluster is too small for {job.model.name}: no layout fits in {cap:.0f} GB per {job.gpu.name}, "
+                f"and with ZeRO-Offload the leanest needs {host:.1f} GB of host memory per GPU, more than the "
+                f"{job.gpu.host_gb:.0f} GB its hosts have. Add GPUs (about "
+                f"{job.world * host / job.gpu.host_gb:.0f} in all) or use a larger-memory --gpu")
     if need <= cap:
         return ("no layout fits: the global batch does not split into whole micro-batches for any layout; "
                 "make --global-batch-tokens a multiple of --seq-len x the number of GPUs")

@@ -30,6 +30,11 @@
   schedules both gather once per step (parameters stay gathered, moeflow.parallel.pipeline). Gathers overlap
   their micro-batch's compute, the step's reduce-scatter the last backward and the step's gather the first
   forward; only what exceeds its window is exposed. HSDP all-reduces each shard across replicas.
+- ZeRO-Offload (`Layout.offload`, ZeRO-3 only): per micro-batch each fp32 weight shard crosses PCIe to the device
+  for the forward's gather and again for the backward's (FSDP2 copies the shard, then gathers), and each fp32
+  gradient shard back after its reduce-scatter; the AdamW step runs on the host, memory-bound: 28 bytes per
+  parameter of its shard (read weight, gradient, two moments; write weight and moments) at the GPU's
+  `host_step_gbps`. Not overlapped (an upper bound: FSDP2 issues the copies on its all-gather stream).
 - The optimizer: AdamW's step (elementwise, on each shard) and data loading are not modelled; Muon adds its
   Newton-Schulz FLOPs and its gathers of whole matrices after backward (moeflow.plan.optimizer), not overlapped.
 """
@@ -38,7 +43,7 @@ from __future__ import annotations
 
 from moeflow.plan.compute import ATTENTION_EFFICIENCY, FBW, Rates, head_cost, layer_cost, moe_matmul_seconds
 from moeflow.plan.layout import Job, Layout
-from moeflow.plan.memory import kv_width, rank_stages, stage_params
+from moeflow.plan.memory import kv_width, rank_model_state, rank_stages, stage_params
 from moeflow.plan.optimizer import muon_rank_cost, muon_seconds, rank_layers
 from moeflow.plan.overlap import exposed_ep_seconds
 from moeflow.plan.schedule import ZERO_BUBBLE, bubble_seconds
@@ -226,6 +231,16 @@ def optimizer_seconds(job: Job, lay: Layout, links: Links) -> float:
                for stages in rank_stages(job, lay))
 
 
+def offload_seconds(job: Job, lay: Layout, micro_batches: int) -> float:
+    """PCIe copies and the host's optimizer step per step under ZeRO-Offload, on the rank with the largest shard
+    (module doc)."""
+    if not lay.offload:
+        return 0.0
+    shard = max(rank_model_state(job, lay, stages)["params"] / 2 for stages in rank_stages(job, lay))
+    pcie = (2 * micro_batches * 4 * shard + micro_batches * 4 * shard) / (job.gpu.pcie_gbps * 1e9)
+    return pcie + 28 * shard / (job.gpu.host_step_gbps * 1e9)
+
+
 def step_time(job: Job, lay: Layout) -> dict[str, float]:
     """Seconds per training step (and its parts) for the slowest pipeline rank."""
     links = Links(job.intra, job.inter)
@@ -237,7 +252,8 @@ def step_time(job: Job, lay: Layout) -> dict[str, float]:
     t_pipe = m * fbw.total + bubble
     t_dp = max(_dp_exposed(job, lay, m, rank, r["comp"], links) for rank, r in per_rank)
     t_opt = optimizer_seconds(job, lay, links)
-    step = t_pipe + t_dp + t_opt
+    t_off = offload_seconds(job, lay, m)
+    step = t_pipe + t_dp + t_opt + t_off
     tps = job.global_batch_tokens / job.world / step
     return {
         "step_s": step,
@@ -249,6 +265,7 @@ def step_time(job: Job, lay: Layout) -> dict[str, float]:
         "bubble_s": bubble,
         "dp_exposed_s": t_dp,
         "optimizer_s": t_opt,
+        "offload_s": t_off,
         "bubble_fraction": bubble / t_pipe if t_pipe else 0.0,
         "tokens_per_s_per_gpu": tps,
         "mfu": job.stats.flops_per_token * tps / job.gpu.peak_flops(job.precision),

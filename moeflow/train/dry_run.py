@@ -5,7 +5,9 @@ lets one process play any rank of an N-rank job, so the mesh is built and the pa
 exactly as training would - and the same validation errors are raised - with no rank started and no
 memory allocated (the model lives on the meta device). What comes out is what each rank would hold at
 its peak: parameter counts and parameter / gradient / optimizer bytes (fp32 weights and gradients, AdamW's two
-fp32 moments), for the first rank of every pipeline stage.
+fp32 moments, Muon's one momentum), for the first rank of every pipeline stage, split into device and host bytes:
+under parallel.offload = 'params' the shards live on the host (as FSDP2's offload policy placed them) and the
+device holds the gathered weights alone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from moeflow.config import JobConfig
 from moeflow.core.schedules import SCHEDULES
 
 BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 master weights and grads; AdamW exp_avg + exp_avg_sq
+MUON_BYTES = 4  # Muon's momentum_buffer
 
 
 def _local_numel(t: torch.Tensor) -> int:
@@ -56,13 +59,44 @@ def rank_state(cfg: JobConfig, world_size: int, rank: int) -> dict:
         zero_bubble = dims.pp > 1 and SCHEDULES[dims.pp_schedule].splits_backward
         held = sum(_gathered_numel(p) for p in params) if dims.zero in (1, 2) or zero_bubble else sharded
         opt_params = sum(_local_numel(p) for g in optimizer.param_groups for p in g["params"])
+        opt_bytes = sum(_local_numel(p) * (MUON_BYTES if g.get("muon") else BYTES["optimizer"])
+                        for g in optimizer.param_groups for p in g["params"])
         grads = sharded  # every stage reduce-scatters gradients into shards
+        state = {"params": held * BYTES["params"], "grads": grads * BYTES["grads"], "optimizer": opt_bytes}
+        offloaded = _offloaded(par.model)
+        if offloaded:  # the shards, their gradients and the optimizer state on the host; gathered weights on device
+            gathered = (held if held != sharded else _largest_gathered(par.model)) * BYTES["params"]
+            device, host = {"params": gathered, "grads": 0, "optimizer": 0}, {
+                "params": sharded * BYTES["params"], "grads": state["grads"], "optimizer": opt_bytes}
+        else:
+            device, host = state, dict.fromkeys(state, 0)
         return {"rank": rank, "params": held, "expert_params": expert, "optimizer_params": opt_params,
-                "bytes": {"params": held * BYTES["params"], "grads": grads * BYTES["grads"],
-                          "optimizer": opt_params * BYTES["optimizer"]},
+                "bytes": state, "device_bytes": device, "host_bytes": host, "offload": offloaded,
                 "dims": dims.sizes}
     finally:
         dist.destroy_process_group()
+
+
+def _param_groups(model: torch.nn.Module) -> list:
+    """FSDP2's parameter groups (one per fully_shard call that got parameters)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = (m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule))
+    return [g for g in groups if g is not None]
+
+
+def _offloaded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 keeps this model's shards on the host (its offload policy, as fully_shard applied it)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return any(isinstance(g.offload_policy, CPUOffloadPolicy) for g in _param_groups(model))
+
+
+def _largest_gathered(model: torch.nn.Module) -> int:
+    """Elements on the device under ZeRO-3 with offload: the largest FSDP unit once gathered, twice (the next one
+    is prefetched)."""
+    units = [sum(_gathered_numel(p.sharded_param) for p in g.fsdp_params) for g in _param_groups(model)]
+    return 2 * max(units, default=0)
 
 
 def dry_run(cfg: JobConfig, world_size: int) -> dict:
@@ -82,14 +116,22 @@ def dry_run(cfg: JobConfig, world_size: int) -> dict:
 def format_dry_run(out: dict) -> str:
     gib = 1 << 30
     dims = out["ranks"][0]["dims"]
+    offload = any(r["offload"] for r in out["ranks"])
     lines = [f"dry run: {out['model']} ({out['total_params']:,} parameters) on {out['world_size']} ranks",
              "  " + "  ".join(f"{k}={v}" for k, v in dims.items()),
              f"  {'rank':>6} {'params':>14} {'of total':>9} {'experts':>14} {'param GiB':>10} {'grad GiB':>9} "
-             f"{'optim GiB':>10}"]
+             f"{'optim GiB':>10}" + (f" {'device GiB':>11} {'host GiB':>9}" if offload else "")]
     for r in out["ranks"]:
         b = r["bytes"]
-        lines.append(f"  {r['rank']:>6} {r['params']:>14,} {r['params'] / out['total_params']:>9.2%} "
-                     f"{r['expert_params']:>14,} {b['params'] / gib:>10.3f} {b['grads'] / gib:>9.3f} "
-                     f"{b['optimizer'] / gib:>10.3f}")
+        line = (f"  {r['rank']:>6} {r['params']:>14,} {r['params'] / out['total_params']:>9.2%} "
+                f"{r['expert_params']:>14,} {b['params'] / gib:>10.3f} {b['grads'] / gib:>9.3f} "
+                f"{b['optimizer'] / gib:>10.3f}")
+        if offload:
+            line += (f" {sum(r['device_bytes'].values()) / gib:>11.3f} "
+                     f"{sum(r['host_bytes'].values()) / gib:>9.3f}")
+        lines.append(line)
     lines.append(f"  ideal 1/N: {out['ideal_params_per_rank']:,.0f} parameters per rank")
+    if offload:
+        lines.append("  parallel.offload = 'params': the shards, their gradients and the optimizer state in host "
+                     "memory; the device holds the gathered weights")
     return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""The planner's ZeRO-Offload (parallel.offload = 'params'): where the bytes go and what the copies cost, by hand;
+offered only when nothing fits on the devices; its host memory checked; the 70B fine-tune it exists for."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from moeflow.core.presets import get_preset
+from moeflow.plan.cli import main as plan_main
+from moeflow.plan.cli import plan
+from moeflow.plan.memory import memory_per_gpu
+from moeflow.plan.search import search
+from moeflow.plan.time import step_time
+from tests.plan.test_plan import HAND, HAND_PARAMS, job_for, lay
+
+
+def test_offload_moves_the_shards_to_the_host_hand_worked():
+    """HAND (2920 parameters) on 4 GPUs under ZeRO-3: 16 bytes per parameter (bf16 weights and gradients, fp32
+    AdamW state) / 4 leave the device; per micro-batch the fp32 weight shard crosses PCIe twice (forward and
+    backward gathers) and the fp32 gradient shard once; the host's step reads and writes 28 bytes per parameter."""
+    job = job_for(HAND, gpn=4)
+    plain, off = lay(dp_shard=4, zero=3), replace(lay(dp_shard=4, zero=3), offload=True)
+    m_plain, m_off = memory_per_gpu(job, plain), memory_per_gpu(job, off)
+    assert m_off["host"] * 1e9 == pytest.approx(16 * HAND_PARAMS / 4)
+    assert m_off["params"] == m_off["grads"] == m_off["optimizer"] == m_plain["host"] == 0
+    assert m_plain["total"] - m_off["total"] == pytest.approx(16 * HAND_PARAMS / 4 / 1e9)
+    assert m_off["zero3_gather"] == m_plain["zero3_gather"]  # the layers being gathered stay on the device
+    t_plain, t_off = step_time(job, plain), step_time(job, off)
+    micro = plain.num_micro_batches(job)
+    shard = HAND_PARAMS / 4
+    want = 3 * micro * 4 * shard / (job.gpu.pcie_gbps * 1e9) + 28 * shard / (job.gpu.host_step_gbps * 1e9)
+    assert t_off["offload_s"] == pytest.approx(want) and t_plain["offload_s"] == 0
+    assert t_off["step_s"] == pytest.approx(t_plain["step_s"] + want)
+
+
+def test_offload_only_when_nothing_else_fits():
+    assert not any(r.layout.offload for r in search(job_for(HAND, gpn=4)))
+    # llama3-70b on 2 x 8 A100-40GB: 16 bytes x 70.6B / 16 GPUs = 70.6 GB of state per GPU, more than 40 GB
+    out = plan(job_for(get_preset("llama3-70b"), "A100-40GB", nodes=2, seq=4096, batch=64 * 4096))
+    best = out["layouts"][0]
+    assert best["offload"] == "params" and best["memory_gb"]["total"] <= 40
+    # (plus, under tp, the norms every tp rank holds whole: 1e-5 of the model)
+    assert best["memory_gb"]["host"] == pytest.approx(16 * get_preset("llama3-70b").num_params() / 16 / 1e9,
+                                                      rel=1e-4)
+    assert "parallel.offload = 'params'" in out["recommendation"]["text"]
+
+
+def test_host_memory_is_a_limit(capsys):
+    # on one node the same state is 141 GB per GPU, past the 128 GB a DGX A100 320GB host has per GPU
+    assert plan_main(["--model", "llama3-70b", "--gpu", "A100-40GB", "--global-batch-tokens", str(64 * 4096)]) == 2
+    err = capsys.readouterr().err
+    assert "with ZeRO-Offload the leanest needs 141.1 GB of host memory per GPU" in err and "\n" not in err.strip()
