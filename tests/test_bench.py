@@ -71,7 +71,8 @@ def test_gpu_smoke_script_runs_on_a_cpu():
     lines = [ln for ln in run.stdout.splitlines() if ln.split(" ", 1)[0] in ("PASS", "FAIL", "SKIP")]
     assert run.returncode == 0 and lines and not any(ln.startswith("FAIL") for ln in lines), run.stdout + run.stderr
     names = {ln.split(" ", 2)[1].split("[")[0].rstrip(":") for ln in lines}
-    assert {"info", "moe_block", "ep_world1", "ep_no_host_sync", "fsdp_bf16_world1", "train_bf16", "offload", "hf_parity",
+    assert {"info", "moe_block", "ep_world1", "ep_no_host_sync", "fsdp_bf16_world1", "train_bf16", "offload",
+            "hf_parity",
             "masked_gqa_attention"} <= names, names
     if not torch.cuda.is_available():
         shell = subprocess.run(["bash", str(BENCH / "gpu_smoke.sh")], capture_output=True, text=True, timeout=120,
