@@ -265,6 +265,25 @@ class PeftConfig:
 
 
 @dataclass
+class ProfileConfig:
+    enabled: bool = False
+    """Profile a window of steps with torch.profiler: each rank writes a Chrome trace (Perfetto,
+    chrome://tracing) under RUN_DIR/profile/, and rank 0 prints and writes profile/summary.txt: per phase (the EP
+    dispatch, the expert matmuls, the combine, attention, the gradient reduction, the optimizer step, ...) its
+    time and share of the step, per rank, the slowest named."""
+    start: int = 3
+    """The first profiled step (after warm-up: the first steps compile, allocate and fill caches)."""
+    steps: int = 2
+    """Steps in the window."""
+    memory: bool = False
+    """Record memory too: on CUDA the allocator's history for the window and a snapshot pickle
+    (profile/memory-rank{N}.pickle, also written when a step runs out of memory; open it in
+    pytorch.org/memory_viz); on a CPU the resident set size at each phase's end, its peak per phase."""
+    ranks: str = ""
+    """The ranks that profile, comma-separated (e.g. '0,3'); empty = every rank."""
+
+
+@dataclass
 class JobConfig:
     run_dir: str = "runs/default"
     """Where metrics, TensorBoard files and checkpoints go."""
@@ -277,6 +296,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def validate(self) -> JobConfig:
         if self.model.hf_path:  # the architecture comes from the folder's config.json
@@ -358,7 +378,34 @@ class JobConfig:
         self._validate_fault_settings()
         self._validate_peft()
         self._validate_muon()
+        self._validate_profile()
         return self
+
+    def _validate_profile(self) -> None:
+        pr = self.profile
+        if not pr.enabled:
+            return
+        if pr.start < 1 or pr.steps < 1:
+            raise ValueError(f"profile.start = {pr.start}, profile.steps = {pr.steps}: both must be at least 1 "
+                             f"(e.g. start = 3 after warm-up, steps = 2)")
+        if pr.start > self.training.steps:
+            raise ValueError(f"profile.start = {pr.start} is past training.steps = {self.training.steps}; profile an "
+                             f"earlier step or train longer")
+        self.profiled_ranks()
+
+    def profiled_ranks(self) -> list[int] | None:
+        """profile.ranks as ints (None: every rank)."""
+        text = self.profile.ranks.strip()
+        if not text:
+            return None
+        try:
+            ranks = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise ValueError(f"profile.ranks = {text!r}; use comma-separated rank numbers such as '0,3', or leave "
+                             f"it empty for every rank") from None
+        if min(ranks) < 0:
+            raise ValueError(f"profile.ranks = {text!r}: ranks are 0 or more")
+        return ranks
 
     def _validate_muon(self) -> None:
         t = self.training
@@ -451,6 +498,9 @@ class JobConfig:
                             zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp, cp=p.cp)
         dims.check_model(self.model)
         dims.check_sequence(self.data.seq_len)
+        if self.profile.enabled and max(self.profiled_ranks() or [0]) >= world_size:
+            raise ValueError(f"profile.ranks = {self.profile.ranks!r} names a rank past the {world_size} ranks of "
+                             f"this run; use ranks 0 to {world_size - 1}")
 
         if p.ep_backend in EP_LIBRARIES and dims.ep > 1 and dims.ep not in DEEP_EP_GROUP_SIZES:
             # The library's own config table decides at start-up (UCCL-EP lacks 48 and 96); this is the part

@@ -14,7 +14,9 @@ import math
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
+from moeflow.core import phases
 from moeflow.core.model_config import ModelConfig
 from moeflow.models.attention import cached_causal_mask, document_causal_mask
 from moeflow.models.kv_cache import KVCache, LayerCache
@@ -72,7 +74,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x_BSD, cos_SDh, sin_SDh, mask=None, cache=None):
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SDh, sin_SDh, mask=mask, cache=cache)
+        with record_function(phases.ATTENTION):
+            h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SDh, sin_SDh, mask=mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

@@ -23,6 +23,7 @@ from moeflow.train.checkpoint import CheckpointManager, check_writable
 from moeflow.train.distributed import init_distributed
 from moeflow.train.faults import Preempted, StepGuard, make_deterministic
 from moeflow.train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_mb
+from moeflow.train.profile import StepProfiler
 from moeflow.train.step import StepResult, evaluate, state_bytes, train_step
 
 
@@ -183,12 +184,16 @@ def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, pr
     throughput = _Throughput(t.global_batch * cfg.data.seq_len)
     bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", disable=not (info.is_main and progress),
                dynamic_ncols=True, mininterval=0.5)
+    profiler = StepProfiler(cfg, info.rank, info.world_size, info.device, start + 1)
     for step in range(start + 1, loop.stop + 1):
         is_last = step == loop.stop
         logged = _due(cfg.metrics.log_every, step, is_last)
         guard.begin(step)
-        result = train_step(cfg, s, with_moe_stats=logged, measure=is_last,
-                            per_rank=lambda: {**guard.row(), "peak_memory_mb": peak_memory_mb(info.device)})
+        with profiler.step(step):
+            result = train_step(cfg, s, with_moe_stats=logged, measure=is_last,
+                                per_rank=lambda: {**guard.row(), "peak_memory_mb": peak_memory_mb(info.device)})
+        if profiler.summary and step == profiler.stop:
+            tqdm.write(profiler.summary)
         stopping = guard.end(step, result.per_rank) and not is_last
         ckpt.poll()
         throughput.step()
