@@ -41,6 +41,16 @@ def text_config(hf: dict) -> dict:
     return hf.get("text_config") or hf
 
 
+def _with_aliases(t: dict) -> dict:
+    """config.json's fields, plus the same values under the names transformers' config class maps onto them (its
+    attribute_map: longcat_flash stores its experts' width as expert_ffn_hidden_size, read as moe_intermediate_size)."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = t.get("model_type")
+    aliases = CONFIG_MAPPING[model_type].attribute_map if model_type in CONFIG_MAPPING else {}
+    return {**{alias: t[name] for alias, name in aliases.items() if name in t}, **t}
+
+
 def _first(d: dict, keys: tuple[str, ...], default=0):
     for key in keys:
         value = d.get(key)
@@ -112,7 +122,7 @@ def resolve_impl(cfg: ModelConfig, hf: dict) -> str:
 def describe(hf: dict, folder: str = "") -> ModelConfig:
     """The sizes of the model config.json describes, as a ModelConfig (FLOPs, parameter counts, the planner); the
     computation is transformers'."""
-    t = text_config(hf)
+    t = _with_aliases(text_config(hf))
     dim, heads = t["hidden_size"], t["num_attention_heads"]
     experts = int(_first(t, _EXPERTS))
     moe = MoEConfig(num_experts=0)
@@ -125,7 +135,10 @@ def describe(hf: dict, folder: str = "") -> ModelConfig:
             moe.shared_ffn_dim = int(t.get("shared_expert_intermediate_size") or moe.ffn_dim)
     return ModelConfig(
         name="custom", vocab_size=t["vocab_size"], dim=dim,
-        n_layers=t.get("num_hidden_layers") or len(t.get("layers_block_type") or t.get("layer_types") or ()),
+        # num_layers: the decoder layers where num_hidden_layers is not stored (longcat_flash derives it, counting
+        # the two attention sublayers of each layer)
+        n_layers=(t.get("num_hidden_layers") or t.get("num_layers")
+                  or len(t.get("layers_block_type") or t.get("layer_types") or ())),
         n_heads=heads, n_kv_heads=t.get("num_key_value_heads") or heads,
         head_dim=t.get("head_dim") or dim // heads, ffn_dim=int(t.get("intermediate_size") or 4 * dim),
         max_seq_len=int(t.get("max_position_embeddings") or 4096),

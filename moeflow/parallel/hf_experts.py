@@ -2,12 +2,18 @@
 
 transformers 5 decorates the experts module of its MoE architectures with `use_experts_implementation`: one call,
 `experts(hidden_states [T, D], top_k_index [T, K], top_k_weights [T, K])`, dispatched to the function registered
-under `config._experts_implementation`. moeflow registers one more, EXPERTS_IMPLEMENTATION. It sends each token
-once to every rank owning one of its experts (moeflow.ep.Buffer.dispatch), runs transformers' own grouped-matmul
-experts function on the rows that arrived for this rank's E / R experts (so biases, interleaved or transposed
-weights and custom gates stay the architecture's), and sums each token's copies back (Buffer.combine). The router,
-shared experts and everything else stay transformers' modules, replicated; their gradients are this rank's tokens'
-share, which data parallelism sums.
+under `config._experts_implementation`. Some architectures subclass the decorated class and do more per expert
+around that call (ergo: a learned RMSNorm per expert on each route's output).
+
+moeflow takes the whole experts module's forward as the unit, as transformers' own expert parallelism does (its
+`ep_dispatch_experts`): it sends each token once to every rank owning one of its experts (moeflow.ep.Buffer.dispatch),
+runs the module's own forward on the rows that arrived for this rank's E / R experts, with local expert ids (L, one
+past them, for a slot whose expert is elsewhere), and sums each token's copies back (Buffer.combine). Inside, the
+interface call runs transformers' grouped-matmul experts function, which skips the slots of experts held elsewhere; so
+biases, interleaved or transposed weights, custom gates and per-expert norms stay the architecture's. Every tensor of
+an experts module holds one row per expert (FSDP shards the whole module over the expert mesh): each rank keeps its
+rows. The router, shared experts and everything else stay transformers' modules, replicated; their gradients are
+this rank's tokens' share, which data parallelism sums.
 
 Shape legend: T tokens (this rank's), K top-k, E experts, L local experts (E // R), D hidden, R ranks, N received
 rows.
@@ -22,8 +28,12 @@ from torch import nn
 
 from moeflow.ep.buffer import Buffer
 
-EXPERTS_IMPLEMENTATION = "moeflow_ep"
+# the expert tensors transformers' experts functions read; an experts module may hold more, all per expert
+# (ergo's post_expert_norm.weight): expert_tensor_names
 EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+# the experts function the module's interface call runs under expert parallelism: it skips the slots of experts on
+# other ranks (`_is_expert_parallel`)
+LOCAL_EXPERTS_IMPLEMENTATION = "grouped_mm"
 
 # experts module -> (its Buffer, E, first global expert held here): kept beside the module, which gains no
 # attribute
@@ -44,6 +54,12 @@ def hf_experts_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if is_hf_experts(m)]
 
 
+def expert_tensor_names(module: nn.Module) -> list[str]:
+    """The names (relative to `module`) of the tensors an experts module holds one row per expert of: all of its
+    parameters, its submodules' too."""
+    return [name for name, _ in module.named_parameters()]
+
+
 def hf_expert_slices(model: nn.Module) -> dict[str, tuple[int, int]]:
     """{fqn of an expert tensor: (first global expert id held here, experts held here)} of every transformers
     experts module (the checkpoint stores experts one per key, so that it reshards over ep)."""
@@ -51,9 +67,8 @@ def hf_expert_slices(model: nn.Module) -> dict[str, tuple[int, int]]:
     for name, module in model.named_modules():
         if is_hf_experts(module):
             first = _EXPERT_PARALLEL[module][2] if module in _EXPERT_PARALLEL else 0
-            for tensor in EXPERT_TENSORS:
-                if isinstance(getattr(module, tensor, None), nn.Parameter):
-                    out[f"{name}.{tensor}"] = (first, module.num_experts)
+            for tensor in expert_tensor_names(module):
+                out[f"{name}.{tensor}"] = (first, module.num_experts)
     return out
 
 
@@ -61,11 +76,11 @@ def apply_hf_expert_parallel(model: nn.Module, group=None, backend: str = "auto"
     """Keep this rank's E / R experts of every transformers experts module of `model` and route its tokens through
     moeflow.ep over `group` (None: the default group). Returns how many experts modules it changed.
 
-    Each module keeps its class and parameter names: its expert tensors become this rank's slice [r * L, (r+1) * L),
-    `num_experts` becomes L, and `_is_expert_parallel` tells transformers' grouped-matmul function to skip the rows
-    of experts on other ranks. ValueError, before anything changes, when E does not split over the ranks."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
+    Each module keeps its parameter names; its class becomes a subclass whose forward moves the tokens around the
+    module's own (no attribute is added). Its tensors become this rank's rows [r * L, (r+1) * L), `num_experts`
+    becomes L, and `_is_expert_parallel` tells transformers' grouped-matmul function to skip the slots of experts on
+    other ranks. ValueError, before anything changes, when E does not split over the ranks or a tensor is not one row
+    per expert."""
     modules = hf_experts_modules(model)
     if not modules:
         return 0
@@ -75,36 +90,52 @@ def apply_hf_expert_parallel(model: nn.Module, group=None, backend: str = "auto"
         if module.num_experts % R:
             raise ValueError(f"parallel.ep = {R} does not divide the {module.num_experts} experts of "
                              f"{type(module).__name__}; choose an ep that divides {module.num_experts}")
-    ALL_EXPERTS_FUNCTIONS[EXPERTS_IMPLEMENTATION] = experts_forward
+        for name, p in module.named_parameters():
+            if p.ndim == 0 or p.shape[0] != module.num_experts:  # FSDP would treat it as expert-sharded
+                raise ValueError(f"parallel.ep = {R}: {type(module).__name__}.{name} {tuple(p.shape)} is not one "
+                                 f"row per expert of its {module.num_experts}, so it cannot be split by expert; "
+                                 f"use ep = 1")
     for module in modules:
         E = module.num_experts
         L = E // R
-        for name in EXPERT_TENSORS:
-            full = getattr(module, name, None)
-            if isinstance(full, nn.Parameter):
-                setattr(module, name, nn.Parameter(full.detach()[r * L:(r + 1) * L].clone(),
+        for holder in module.modules():
+            for name, full in list(holder.named_parameters(recurse=False)):
+                setattr(holder, name, nn.Parameter(full.detach()[r * L:(r + 1) * L].clone(),
                                                    requires_grad=full.requires_grad))
         module.num_experts = L
         module._is_expert_parallel = True
-        module.config._experts_implementation = EXPERTS_IMPLEMENTATION
+        module.config._experts_implementation = LOCAL_EXPERTS_IMPLEMENTATION
+        module.__class__ = _expert_parallel_class(type(module))
         _EXPERT_PARALLEL[module] = (buffer, E, r * L)
     return len(modules)
 
 
-def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts interface's call for a module apply_hf_expert_parallel changed: [T, D] in, [T, D] out, as
-    transformers' own functions (sum over k of top_k_weights[:, k] * expert_k(token))."""
-    from transformers.integrations.moe import grouped_mm_experts_forward
+class _ExpertParallel:
+    """Mixed in before a transformers experts class by apply_hf_expert_parallel: the module's own forward runs on
+    the rows moeflow.ep brings this rank."""
 
-    buffer, E, _ = _EXPERT_PARALLEL[self]
-    per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(top_k_index, E)
-    # Buffer takes float32 weights (DeepEP's format); back to the router's dtype on arrival
-    recv_x_ND, recv_idx_NK, recv_w_NK, _, handle, _ = buffer.dispatch(
-        hidden_states, topk_idx=top_k_index, topk_weights=top_k_weights.float(), num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-    # -1 (an expert on another rank) becomes L, the sentinel transformers' function skips under expert parallelism
-    local_idx_NK = torch.where(recv_idx_NK >= 0, recv_idx_NK, self.num_experts)
-    y_ND = grouped_mm_experts_forward(self, recv_x_ND, local_idx_NK, recv_w_NK.to(top_k_weights.dtype))
-    y_TD, _, _ = buffer.combine(y_ND.to(hidden_states.dtype), handle)
-    return y_TD
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """[T, D] in, [T, D] out, as the module's own forward in one process (sum over k of top_k_weights[:, k] *
+        expert_k(token), and whatever the architecture does per expert around it)."""
+        buffer, E, _ = _EXPERT_PARALLEL[self]
+        per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(top_k_index, E)
+        # Buffer takes float32 weights (DeepEP's format); back to the router's dtype on arrival
+        recv_x_ND, recv_idx_NK, recv_w_NK, _, handle, _ = buffer.dispatch(
+            hidden_states, topk_idx=top_k_index, topk_weights=top_k_weights.float(), num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        # -1 (an expert on another rank) becomes L, the sentinel transformers' function skips under expert parallelism
+        local_idx_NK = torch.where(recv_idx_NK >= 0, recv_idx_NK, self.num_experts)
+        y_ND = super().forward(recv_x_ND, local_idx_NK, recv_w_NK.to(top_k_weights.dtype))
+        y_TD, _, _ = buffer.combine(y_ND.to(hidden_states.dtype), handle)
+        return y_TD
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _expert_parallel_class(cls: type) -> type:
+    """`cls` with _ExpertParallel's forward around its own (one class per experts class)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (_ExpertParallel, cls), {})
+    return _CLASSES[cls]

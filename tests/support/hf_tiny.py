@@ -35,7 +35,12 @@ TINY = dict(
     num_experts=8, num_local_experts=8, n_routed_experts=8, moe_num_experts=8,
     num_experts_per_tok=2, num_experts_per_token=2, moe_topk=2, moe_k=2, top_k_experts=2,
     kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,  # MLA
-    index_topk=8, index_head_dim=16, index_n_heads=2,  # sparse-attention indexers
+    index_topk=8, index_head_dim=16, index_n_heads=2, index_num_heads=2,  # sparse-attention indexers
+    # kolibri1_1's: a pool of 4 blocks of 2, one sink and two local tokens, so that the last queries of a
+    # 12-token row choose among their keys
+    index_pool_size=8, index_compression=2, index_num_sink_tokens=1, index_num_local_tokens=2,
+    first_dense_intermediate_size=128, mlp_only_intermediate_size=128,  # dense MLPs of the leading layers
+    zero_expert_num=2,  # identity experts beside the 8 (longcat_flash): the routed ones keep most of the tokens
     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
     linear_head_dim=16, linear_num_heads=4,
     mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16, mamba_dt_rank=8, mamba_num_heads=8,
@@ -100,15 +105,39 @@ def causal_lm_class(d: str) -> type:
     return getattr(importlib.import_module(f"transformers.models.{d}.{_exports()[d][0]}"), name)
 
 
+def _layer_count_key(defaults: dict) -> str | None:
+    """The field that counts the layers: num_hidden_layers, or num_layers where num_hidden_layers is derived from
+    it (longcat_flash: two attention sublayers per layer, so num_hidden_layers is a property, not a field)."""
+    return next((k for k in ("num_hidden_layers", "num_layers") if k in defaults), None)
+
+
+def _layer_refs(defaults: dict, n: int) -> tuple[dict, dict]:
+    """({field: per-layer list of layer indices}, {field: list of some layer indices}): the `*_layers` fields of
+    ints that name layers, e.g. kolibri1_1's kv_source_layers (the layer whose K/V each layer reads) and
+    index_layers. Kept layers keep their references, renumbered (tiny_config)."""
+    per_layer, subsets = {}, {}
+    for k, v in defaults.items():
+        if (k.endswith("_layers") and isinstance(v, list) and v
+                and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in v)):
+            (per_layer if len(v) == n else subsets)[k] = v
+    return per_layer, subsets
+
+
 def _layers(defaults: dict) -> tuple[int, list[int]]:
     """(default layer count, the layers kept): the first layer of each kind in every per-layer list of names
-    (attention, MLP or block type), at least two."""
-    n = defaults.get("num_hidden_layers") or len(defaults.get("layers_block_type") or ())
+    (attention, MLP or block type), the first in and the first out of every list of layer indices (an indexer and a
+    layer that is not one), the first that reads another layer (its K/V) and the layers it reads, at least two."""
+    n = defaults.get(_layer_count_key(defaults)) or len(defaults.get("layers_block_type") or ())
     kinds = [v for v in defaults.values() if isinstance(v, list) and len(v) == n and all(isinstance(x, str) for x in v)]
+    per_layer, subsets = _layer_refs(defaults, n)
+    kinds += [[i == x for i, x in enumerate(v)] for v in per_layer.values()]
+    kinds += [[i in v for i in range(n)] for v in subsets.values()]
     keep = {v.index(x) for v in kinds for x in v}
     spare = (i for i in range(n) if i not in keep)
     while len(keep) < 2:
         keep.add(next(spare))
+    for v in per_layer.values():  # the layers a kept layer reads are kept too (they read themselves)
+        keep |= {v[i] for i in keep}
     return n, sorted(keep)
 
 
@@ -117,25 +146,42 @@ def tiny_config(d: str) -> PretrainedConfig:
     cls = causal_lm_class(d).config_class
     defaults = cls().to_dict()
     kw = {k: v for k, v in TINY.items() if k in defaults}
+    # fields the config also knows by TINY's names (its attribute_map: longcat_flash's expert_ffn_hidden_size is
+    # moe_intermediate_size), where no field of that name is there
+    aliases = {a: f for a, f in getattr(cls, "attribute_map", {}).items() if f in defaults and a not in defaults}
+    for a, f in aliases.items():
+        if a in TINY:
+            kw.setdefault(f, TINY[a])
     if defaults.get("q_lora_rank") is not None:
         kw["q_lora_rank"] = 32
-    if "kv_lora_rank" in defaults:  # MLA: kv heads are the query heads; head_dim is derived (the RoPE part or
-        kw["num_key_value_heads"] = kw["num_attention_heads"]  # the whole query-key head, by family)
+    if "kv_lora_rank" in defaults:  # MLA: kv heads are the query heads
+        kw["num_key_value_heads"] = kw["num_attention_heads"]
+        # head_dim is the RoPE part or the whole query-key head, by family, derived by most but a fixed default of
+        # some (longcat_flash): the part its default equals, at the tiny sizes (else left to the family)
+        rope, nope = defaults.get("qk_rope_head_dim") or 0, defaults.get("qk_nope_head_dim") or 0
+        tiny = {rope: TINY["qk_rope_head_dim"], rope + nope: TINY["qk_rope_head_dim"] + TINY["qk_nope_head_dim"]}
         kw.pop("head_dim", None)
-    if "moe_intermediate_size" not in defaults:  # intermediate_size is the experts' width
-        kw["intermediate_size"] = 32
+        if defaults.get("head_dim") in tiny:
+            kw["head_dim"] = tiny[defaults["head_dim"]]
+    if "moe_intermediate_size" not in defaults and "moe_intermediate_size" not in aliases:
+        kw["intermediate_size"] = 32  # intermediate_size is the experts' width
     for group in ("n_group", "num_expert_group"):  # group-limited routing: 2 groups of 4, one chosen
         if defaults.get(group) is not None:
             kw.update({group: 2, "topk_group": 1} if "topk_group" in defaults else {group: 2})
     kw.update({k: v for k, v in TOKENS.items() if k in defaults})
     n, keep = _layers(defaults)
-    if "num_hidden_layers" in defaults:
-        kw["num_hidden_layers"] = len(keep)
+    if _layer_count_key(defaults):
+        kw[_layer_count_key(defaults)] = len(keep)
     for k, v in defaults.items():  # per-layer lists: the kept layers (numbers per layer take the tiny value)
         if isinstance(v, list) and len(v) == n:
             kw[k] = [v[i] for i in keep]
             if k.removesuffix("_per_layer") in TINY:
                 kw[k] = [TINY[k.removesuffix("_per_layer")]] * len(keep)
+    per_layer, subsets = _layer_refs(defaults, n)
+    for k, v in per_layer.items():  # layer indices renumbered among the kept layers (_layers keeps what they name)
+        kw[k] = [keep.index(v[i]) for i in keep]
+    for k, v in subsets.items():
+        kw[k] = [keep.index(i) for i in v if i in keep]
     rope = defaults.get("rope_parameters")
     if isinstance(rope, dict) and "original_max_position_embeddings" in rope:  # YaRN: a context 4x the original
         tiny = {k: TINY[k] for k in rope if k in TINY}  # mistral4 repeats max_position_embeddings here
