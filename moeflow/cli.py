@@ -193,6 +193,7 @@ def format_summary(s: dict) -> str:
         *([("data", _data_line(s["data"]))] if s.get("data") else []),
         ("checkpoint", s["checkpoint"] or "none"),
         *([("adapter", _adapter_line(s["adapter"]))] if s.get("adapter") else []),
+        *([("hf folder", s["hf"])] if s.get("hf") else []),
         *([("loss curve", s["loss_curve"])] if s.get("loss_curve") else []),
         ("metrics", f"{s['metrics']}  (TensorBoard: tensorboard --logdir {s['tensorboard']})"),
     ]

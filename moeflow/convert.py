@@ -87,7 +87,7 @@ def moeflow_to_hf(src: str | Path, dst: str | Path, *, config: str | None = None
     import torch
 
     from moeflow.config import load_config
-    from moeflow.models.hf import copy_side_files, kept_fields, read_hf_config, save_pretrained
+    from moeflow.models.hf import copy_side_files, kept_fields, save_pretrained
 
     checkpoint, run_dir = _find_checkpoint(Path(src))
     config_path = Path(config) if config else run_dir / "config.toml"
@@ -96,13 +96,7 @@ def moeflow_to_hf(src: str | Path, dst: str | Path, *, config: str | None = None
     cfg = load_config(config_path).model
     if cfg.runs_transformers:
         return _transformers_to_hf(checkpoint, cfg, Path(dst), architecture, dtype, max_shard_bytes)
-    original: dict = {}
-    origin = run_dir  # where the tokenizer and the source config.json are
-    if (run_dir / "hf_config.json").is_file():
-        original = json.loads((run_dir / "hf_config.json").read_text())
-    if cfg.hf_path:  # a run that started from a HF folder trained that folder's architecture
-        original, cfg = read_hf_config(cfg.hf_path)
-        origin = Path(cfg.hf_path)
+    cfg, original, origin = export_source(cfg, run_dir)
     model = native_model(load_config(config_path), cfg, checkpoint)
     architecture = architecture or (original.get("architectures") or [None])[0]
     dst = Path(dst)
@@ -110,6 +104,21 @@ def moeflow_to_hf(src: str | Path, dst: str | Path, *, config: str | None = None
                     max_shard_bytes=max_shard_bytes, extra_config=kept_fields(original))
     copy_side_files(origin, dst)
     return dst
+
+
+def export_source(cfg, run_dir: Path) -> tuple:
+    """(the model config to export, the original config.json's entries or {}, the folder holding the tokenizer)
+    of a native run: a run that started from a Hugging Face folder trained that folder's architecture."""
+    from moeflow.models.hf import read_hf_config
+
+    original: dict = {}
+    origin = run_dir  # where the tokenizer and the source config.json are
+    if (run_dir / "hf_config.json").is_file():
+        original = json.loads((run_dir / "hf_config.json").read_text())
+    if cfg.hf_path:
+        original, cfg = read_hf_config(cfg.hf_path)
+        origin = Path(cfg.hf_path)
+    return cfg, original, origin
 
 
 def _transformers_to_hf(checkpoint: Path, cfg, dst: Path, architecture: str | None, dtype: str,

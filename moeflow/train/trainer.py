@@ -24,6 +24,7 @@ from moeflow.train.distributed import init_distributed
 from moeflow.train.faults import Preempted, StepGuard, make_deterministic
 from moeflow.train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_mb
 from moeflow.train.profile import StepProfiler
+from moeflow.train.save_hf import save_hf
 from moeflow.train.step import StepResult, evaluate, state_bytes, train_step
 
 
@@ -38,6 +39,7 @@ class LoopState:
     val_loss: float | None = None  # the latest evaluation's
     checkpoint: Path | None = None  # the latest checkpoint this invocation wrote
     grad_bytes: int | None = None  # this rank's gradient bytes after the last step's backward
+    hf_folder: Path | None = None  # RUN_DIR/hf/ when checkpoint.save_hf wrote it
 
     def took(self, result: StepResult) -> None:
         self.first_loss = result.loss if self.first_loss is None else self.first_loss
@@ -68,6 +70,7 @@ class RunSummary:
     data: dict | None  # records, truncated conversations, packing fill (token cache path)
     loss_curve: str | None  # loss.png (rank 0; None where nothing was logged)
     adapter: dict | None = None  # a LoRA run's RUN_DIR/adapter/ (rank 0): path, rank, trained params, bytes
+    hf: str | None = None  # RUN_DIR/hf/, the Hugging Face folder checkpoint.save_hf wrote
 
 
 def summary_json(summary: RunSummary) -> dict:
@@ -105,6 +108,8 @@ def train(cfg: JobConfig, resume: bool = False, fresh: bool = False, progress: b
         loop = _run_steps(cfg, s, ckpt, start, progress, guard)
     finally:
         guard.close()
+    if cfg.checkpoint.save_hf and loop.checkpoint is not None:
+        loop.hf_folder = save_hf(cfg, loop.checkpoint, info.rank, info.world_size)
     summary = summary_json(_summary(cfg, s, start, loop, resumed_from, time.perf_counter() - t_start))
     if info.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -283,6 +288,7 @@ def _summary(cfg: JobConfig, s: Setup, start: int, loop: LoopState, resumed_from
         hf_bytes_read_rank0=s.hf_bytes_read, data=_data_summary(cfg, s),
         loss_curve=_loss_curve(run_dir) if s.info.is_main else None,
         adapter=_adapter_summary(cfg) if s.info.is_main and cfg.peft.method == "lora" else None,
+        hf=str(loop.hf_folder) if loop.hf_folder else None,
     )
 
 
