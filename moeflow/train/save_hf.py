@@ -54,7 +54,7 @@ def save_hf(cfg, checkpoint: Path, rank: int, world: int) -> Path:
     _barrier(world)
     if rank < len(runs):
         mine = [rules[i] for i in runs[rank]]
-        flat = {key(r): torch.empty(meta[key(r)].size, dtype=meta[key(r)].properties.dtype) for r in mine}
+        flat = {key(r): torch.empty(meta[key(r)].size, dtype=meta[key(r)].properties.dtype, device="cpu") for r in mine}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(flat, checkpoint_id=str(checkpoint), no_dist=True)
@@ -101,7 +101,7 @@ def _check_expert_bias(checkpoint: Path, arch, meta: dict) -> None:
     """The exported architecture must not drop a learnt selection bias (as moeflow.models.hf.save_pretrained)."""
     if arch.router_bias:
         return
-    biases = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+    biases = {k: torch.empty(m.size, dtype=m.properties.dtype, device="cpu") for k, m in meta.items()
               if k.startswith("model.") and k.endswith("router.expert_bias")}
     if not biases:
         return

@@ -100,7 +100,7 @@ def reference(tmp_path_factory):
 
 # The 8-rank launch (three 3-D layouts, ~47 s here) is `slow`: make test runs it, CI (CI=true) does not; the
 # 4-rank launch covers each pair of dimensions.
-@pytest.mark.parametrize("world", [pytest.param(w, marks=[pytest.mark.slow] if w == 8 else [])
+@pytest.mark.parametrize("world", [pytest.param(w, marks=[pytest.mark.slow] if w in (4, 8) else [])
                                    for w in sorted(LAYOUTS)])
 def test_layouts_match_one_process(world, reference, tmp_path):
     layouts = {name: extra for name, extra in LAYOUTS[world].items() if not refused_on_old_torch([*BASE, *extra])}

@@ -65,6 +65,7 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
             assert got[key][step] == pytest.approx(value, rel=1e-5), (what, key, step)
 
 
+@pytest.mark.slow  # 32 s: make test runs it, CI does not
 def test_objective_layouts_match_one_process(one_process, tmp_path):
     _assert_same(one_process["accumulated"], one_process["global-mtp"], "micro_batch=2")
     picked = {name: case for name, case in CASES.items()

@@ -200,6 +200,7 @@ def test_pp2_every_schedule_matches_the_single_device_model():
     check_results(pp_worker.launch(2, cases), cases)
 
 
+@pytest.mark.slow  # 17 s: make test runs it, CI does not
 @pytest.mark.timeout(180)
 def test_pp2_x_dp2_fsdp_and_expert_parallel():
     """pp=2 x dp=2: FSDP2 on the dp mesh dimension (each dp rank its half of the batch), and expert

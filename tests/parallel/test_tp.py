@@ -41,6 +41,7 @@ def test_world2_tp2():
     check_results(tp_worker.launch(2, cases), cases)
 
 
+@pytest.mark.slow  # 23 s: make test runs it, CI does not (test_world2_tp2 does)
 @pytest.mark.timeout(240)
 def test_world4_tp2_with_fsdp2_and_ep():
     cases = [

@@ -111,6 +111,7 @@ def test_a_converted_run_directory_trains_from_the_weights(hf_folder, tmp_path, 
     assert _first_loss(run) == pytest.approx(want, rel=REL)
 
 
+@pytest.mark.slow  # 11 s: make test runs it, CI does not
 def test_data_and_expert_parallel_ranks_read_only_their_part(hf_folder, tmp_path):
     """Under ep=2 (FSDP2 over the same 2 ranks) each rank reads the dense tensors and only its half of the
     experts, straight into its shards, and trains the single-process run's losses; tp=2 likewise."""
