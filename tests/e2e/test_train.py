@@ -269,6 +269,7 @@ def test_bf16_autocast_trains_the_fp32_steps_within_a_tolerance(tiny_args, tmp_p
     assert summary["final_loss"] < 0.9 * summary["first_loss"]
 
 
+@pytest.mark.slow  # 32 s: make test runs it, CI does not (test_two_processes_train_and_match_one does)
 def test_expert_parallel_run_matches_one_process_and_resumes(tiny_args, tmp_path):
     """ep=2 over 2 ranks (each keeps 2 of the 4 experts; tokens travel through moeflow.ep) trains the same
     steps as one process, a run stopped at step 2 resumes to step 4 on the same losses, and its

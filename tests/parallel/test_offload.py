@@ -22,6 +22,7 @@ def _steps(run_dir) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
 
 
+@pytest.mark.slow  # 13 s: make test runs it, CI does not (the dry-run test checks the placement)
 def test_offloaded_runs_train_what_the_layout_trains(tmp_path):
     cases = []
     for name, argv in LAYOUTS.items():
