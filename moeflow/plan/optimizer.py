@@ -15,6 +15,8 @@ times X): steps x (4 s^2 l + 2 s^3) FLOPs, timed at the bf16 matmul rate. None o
 
 from __future__ import annotations
 
+import math
+
 from moeflow.core.model_config import ModelConfig
 from moeflow.plan.layout import Job, Layout
 from moeflow.sim.ep import Links
@@ -109,7 +111,7 @@ def _layer_cost(job: Job, lay: Layout, kind: str) -> dict[str, float]:
     cost = dict.fromkeys(COST_KEYS, 0.0) | {"largest_tensor": 0.0}
     for matrices, rows, cols, routed in layer_matrices(cfg, layer):
         dims = expert if routed else dense
-        g = _prod(dims)
+        g = math.prod(dims)
         if routed:
             matrices /= lay.ep * lay.tp  # this rank's experts
         elements = matrices * rows * cols
@@ -147,9 +149,3 @@ def muon_memory_bytes(cost: dict[str, float]) -> tuple[float, float]:
     result while it is orthogonalised."""
     return (ADAMW_STATE_BYTES - MUON_STATE_BYTES) * cost["muon_params"], (4 + 2) * cost["largest_tensor"]
 
-
-def _prod(sizes: list[int]) -> int:
-    out = 1
-    for n in sizes:
-        out *= n
-    return out
