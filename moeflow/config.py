@@ -240,9 +240,9 @@ class CheckpointConfig:
     """Write checkpoints at all."""
     save_hf: bool = False
     """At the end of training (and at training.stop_at), also write RUN_DIR/hf/: the model as a Hugging Face folder
-    (the architecture the run started from, or the native model's export architecture, bf16) with its tokenizer
-    files, each rank writing its share of the tensors from the last checkpoint (no rank gathers the model). The
-    same folder `moeflow convert moeflow-to-hf RUN_DIR` writes."""
+    (the architecture the run started from, in its on-disk format, or the native model's export architecture;
+    bf16) with its tokenizer files, each rank writing its share of the tensors from the last checkpoint (no rank
+    gathers the model). The same folder `moeflow convert moeflow-to-hf RUN_DIR` writes."""
     async_save: bool = False
     """Write checkpoints in the background (torch.distributed.checkpoint.async_save): the step only copies the
     state to host memory (one extra copy of it) and training goes on while it is written; the checkpoint is
@@ -396,9 +396,6 @@ class JobConfig:
         if self.peft.method != "none":
             raise ValueError("checkpoint.save_hf = true on a LoRA run: RUN_DIR/adapter/ holds the adapter; for "
                              "merged weights run `moeflow convert moeflow-to-hf RUN_DIR OUT`")
-        if self.model.runs_transformers:
-            raise ValueError(f"checkpoint.save_hf = true on transformers' own modules ({self.model.hf_path}) is not "
-                             f"supported yet; run `moeflow convert moeflow-to-hf RUN_DIR OUT` after training")
 
     def _validate_profile(self) -> None:
         pr = self.profile

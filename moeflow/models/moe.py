@@ -20,11 +20,11 @@ from typing import Generic, Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from moeflow.core import phases
 from moeflow.core.model_config import ModelConfig, MoEConfig, grouped_mm_alignment_error
 from moeflow.models.layers import autocast_input, autocast_on
+from moeflow.models.phase_range import phase_range
 
 V = TypeVar("V")
 
@@ -561,7 +561,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
-        with record_function(phases.ROUTER):
+        with phase_range(phases.ROUTER):
             routed = self.router(x_TD, num_sequences=x.shape[0] if x.dim() == 3 else 1)
         x_in_TD = autocast_input(x_TD)  # the experts' input (the output keeps x's dtype)
         if self.pad_to_capacity:  # static shapes: every expert computes exactly its capacity (one process only)
@@ -579,23 +579,23 @@ class MoE(nn.Module):
         chunks = self.dispatcher.chunks(x_TD.shape[0])
 
         def send(rows):
-            with record_function(phases.DISPATCH):
+            with phase_range(phases.DISPATCH):
                 return self.dispatcher.dispatch(x_in_TD[rows], routed.topk_idx[rows], routed.topk_weights[rows])
 
         in_flight = send(chunks[0])
-        with record_function(phases.SHARED_EXPERTS):
+        with phase_range(phases.SHARED_EXPERTS):
             shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None
         outs = []
         for i, rows in enumerate(chunks):
             nxt = send(chunks[i + 1]) if i + 1 < len(chunks) else None
-            with record_function(phases.DISPATCH):
+            with phase_range(phases.DISPATCH):
                 tokens = in_flight.wait()
-            with record_function(phases.EXPERTS):
+            with phase_range(phases.EXPERTS):
                 y_ND = self.experts(tokens.x_ND, tokens.counts_E)
-            with record_function(phases.COMBINE):
+            with phase_range(phases.COMBINE):
                 outs.append(self.dispatcher.combine(y_ND, tokens, x_TD[rows]))
             in_flight = nxt
-        with record_function(phases.COMBINE):
+        with phase_range(phases.COMBINE):
             out_TD = torch.cat([out.wait() for out in outs]) if len(outs) > 1 else outs[0].wait()
         if shared_TD is not None:
             out_TD = out_TD + shared_TD

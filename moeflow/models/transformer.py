@@ -14,7 +14,6 @@ import math
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from moeflow.core import phases
 from moeflow.core.model_config import ModelConfig
@@ -24,6 +23,7 @@ from moeflow.models.layers import AttentionCore, RMSNorm, apply_rope, rope_table
 from moeflow.models.mla import MultiHeadLatentAttention
 from moeflow.models.moe import FeedForward, GroupedExperts, MoE, Router
 from moeflow.models.mtp import MultiTokenPrediction
+from moeflow.models.phase_range import phase_range
 
 
 class Attention(AttentionCore, nn.Module):
@@ -74,7 +74,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x_BSD, cos_SDh, sin_SDh, mask=None, cache=None):
-        with record_function(phases.ATTENTION):
+        with phase_range(phases.ATTENTION):
             h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SDh, sin_SDh, mask=mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 

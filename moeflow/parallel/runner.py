@@ -41,10 +41,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
 
 from moeflow.core import phases
 from moeflow.models.moe import Router
+from moeflow.models.phase_range import phase_range
 from moeflow.models.transformer import router_layer_index
 
 
@@ -176,7 +176,7 @@ class LocalRunner:
                 if self.balanced and not self.count_first:  # between this forward and its backward
                     supply_global_selections(self.balanced, {i: r.last_selected for i, r in self.balanced.items()},
                                              self.balance_groups)
-                with record_function(phases.BACKWARD):
+                with phase_range(phases.BACKWARD):
                     loss.backward()
                 loss_sum += loss.detach()
                 for layer, r in self.routers.items():  # read right after forward: recomputation rewrites it

@@ -9,8 +9,9 @@ On CUDA the ranges synchronize the device at their end while the window is open,
 time of the kernels it launched (the window's steps lose their overlap; the trace still shows the kernels). With
 `profile.memory`, CUDA records the allocator's history from the first step (so that a step running out of memory
 at any point leaves profile/memory-rank{N}.pickle before the process exits) and dumps it after the window too;
-on a CPU the summary gains each phase's peak of the tensor memory allocated since the window began (the
-profiler's memory events).
+on a CPU the summary gains two columns per phase: the peak of the tensor memory allocated since the window began
+(the profiler's memory events) and the peak resident set size of the process inside the phase's ranges
+(moeflow/models/phase_range.py; Linux), the step's own in the step row.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.core.phases import STEP, phase_of
+from moeflow.models.phase_range import RssTracer, phase_range
 
 MEMORY_ENTRIES = 100_000  # allocator events kept (torch's default)
 
@@ -41,7 +43,12 @@ class StepProfiler:
         self.memory, self.rank, self.world, self.device = pr.memory, rank, world_size, device
         self.folder = Path(cfg.run_dir) / "profile"
         self._prof = None
+        self._rss: RssTracer | None = None
         self.summary: str | None = None
+        # a run resumed past the window's start: said once, rather than a profile that silently never comes
+        self.skipped = (f"profile: no profile this run: the window starts at profile.start = {pr.start} but the run "
+                        f"resumes at step {first_step}; set --profile.start={first_step + 1} or later (after warm-up)"
+                        if pr.enabled and pr.start < first_step and first_step <= stop else None)
         if self.profiles and self.memory and device.type == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES)
 
@@ -53,7 +60,10 @@ class StepProfiler:
             return
         if step == self.start and self.profiles:
             self._prof = _start(self.device, self.memory)
-        with self._dump_on_oom(), torch.profiler.record_function(STEP):
+            if self.memory and self.device.type == "cpu" and RssTracer.available():
+                self._rss = RssTracer()
+                self._rss.start()
+        with self._dump_on_oom(), phase_range(STEP):
             yield
             _sync(self.device)
         if step == self.stop:
@@ -80,6 +90,10 @@ class StepProfiler:
             if self.memory and self.device.type == "cuda":
                 torch.cuda.memory._dump_snapshot(str(self.folder / f"memory-rank{self.rank}.pickle"))
             table = phase_table(trace, self.stop - self.start + 1)
+            if self._rss is not None:
+                self._rss.stop()
+                table["peak_rss_mb"] = rss_table(self._rss.peaks)
+                self._rss = None
         tables = [table]
         if self.world > 1:
             tables = [None] * self.world
@@ -137,28 +151,40 @@ def phase_table(trace: Path, steps: int) -> dict:
     return table
 
 
+def rss_table(peaks: dict[str, int]) -> dict[str, float]:
+    """{phase (or 'step'): peak resident MB} from an RssTracer's {range name: bytes}."""
+    out: dict[str, float] = {}
+    for name, nbytes in peaks.items():
+        phase = "step" if name == STEP else phase_of(name)
+        if phase:
+            out[phase] = max(out.get(phase, 0.0), nbytes / 1e6)
+    return out
+
+
 def format_summary(tables: dict[int, dict], start: int, stop: int) -> str:
     """Per phase: the mean over the profiling ranks of its ms per step and share of the step, and the slowest
-    rank with its figure (and the peak memory per phase where it was recorded)."""
+    rank with its figure (and the peak memory per phase, the largest over the ranks, where it was recorded)."""
     order = list(dict.fromkeys(p for t in tables.values() for p in t["phases"] if p != "other")) + ["other"]
     n = len(tables)
-    memory = any("peak_mb" in t for t in tables.values())
+    columns = [(key, title) for key, title in (("peak_mb", "tensors MB"), ("peak_rss_mb", "RSS MB"))
+               if any(key in t for t in tables.values())]
     step = sum(t["step_ms"] for t in tables.values()) / n
     lines = [f"profile of steps {start}-{stop} on {n} rank{'s' if n > 1 else ''} ({', '.join(map(str, tables))}): "
              f"{step:.2f} ms per step",
              f"  {'phase':<22} {'ms/step':>9} {'share':>7}   {'slowest rank (ms/step)':<24}"
-             + (f" {'peak MB':>8}" if memory else "")]
+             + "".join(f" {title:>10}" for _, title in columns)]
+
+    def peaks(phase: str) -> str:
+        found = [[t[key][phase] for t in tables.values() if phase in t.get(key, {})] for key, _ in columns]
+        return "".join(f" {max(f):>10.1f}" if f else f" {'':>10}" for f in found)
+
     for phase in order:
         per_rank = {r: t["phases"].get(phase, 0.0) for r, t in tables.items()}
         mean = sum(per_rank.values()) / n
         slow = max(per_rank, key=per_rank.get)
-        line = (f"  {phase:<22} {mean:>9.2f} {mean / step if step else 0:>7.1%}   "
-                f"{f'{slow} ({per_rank[slow]:.2f})':<24}")
-        if memory:
-            peak = max((t.get("peak_mb", {}).get(phase, 0.0) for t in tables.values()), default=0.0)
-            line += f" {peak:>8.1f}" if phase != "other" else f" {'':>8}"
-        lines.append(line)
+        lines.append(f"  {phase:<22} {mean:>9.2f} {mean / step if step else 0:>7.1%}   "
+                     f"{f'{slow} ({per_rank[slow]:.2f})':<24}" + peaks(phase))
     slow = max(tables, key=lambda r: tables[r]["step_ms"])
     slowest = f"{slow} ({tables[slow]['step_ms']:.2f})"
-    lines.append(f"  {'step':<22} {step:>9.2f} {1:>7.1%}   {slowest:<24}")
+    lines.append(f"  {'step':<22} {step:>9.2f} {1:>7.1%}   {slowest:<24}" + peaks("step"))
     return "\n".join(line.rstrip() for line in lines)

@@ -8,11 +8,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from moeflow.config import JobConfig
 from moeflow.core import phases
 from moeflow.data.stream import IGNORE_INDEX
+from moeflow.models.phase_range import phase_range
 from moeflow.parallel.grads import clip_grad_norm_
 from moeflow.parallel.runner import router_layers
 from moeflow.train.build import Setup
@@ -122,7 +122,7 @@ def _forward_backward(cfg: JobConfig, s: Setup, layers: list[int]) -> SumPacker:
         packer.add("loads", loads_LE)
         packer.add("dropped", dropped_L)
     clip = cfg.training.grad_clip if cfg.training.grad_clip > 0 else float("inf")
-    with record_function(phases.GRAD_NORM):
+    with phase_range(phases.GRAD_NORM):
         packer.add("grad_norm", clip_grad_norm_(s.model, clip, par))
     return packer
 
@@ -157,7 +157,7 @@ def _optimizer_step(cfg: JobConfig, s: Setup, loss: float, grad_norm: float) -> 
         )
     lr = s.scheduler.get_last_lr()[0]
     if finite:
-        with record_function(phases.OPTIMIZER):
+        with phase_range(phases.OPTIMIZER):
             s.optimizer.step()
     return not finite, lr
 

@@ -190,6 +190,8 @@ def _run_steps(cfg: JobConfig, s: Setup, ckpt: CheckpointManager, start: int, pr
     bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", disable=not (info.is_main and progress),
                dynamic_ncols=True, mininterval=0.5)
     profiler = StepProfiler(cfg, info.rank, info.world_size, info.device, start + 1)
+    if profiler.skipped and info.is_main:
+        tqdm.write(profiler.skipped)
     for step in range(start + 1, loop.stop + 1):
         is_last = step == loop.stop
         logged = _due(cfg.metrics.log_every, step, is_last)
