@@ -41,9 +41,11 @@ class DataConfig:
     beside it: read in place, documents under data.packing), a .jsonl/.json/.parquet/.arrow/.csv file or a folder
     of them (read with Hugging Face datasets), hf:NAME[:SPLIT] (the Hub), or a token cache folder written by an
     earlier run."""
-    blend: str = ""
+    blend: str | list = ""
     """Several sources by weight instead of data.source: "W1 SOURCE1 W2 SOURCE2 ..." (Megatron's --data-path
-    syntax; any source data.source takes, with the other data settings). Each step's sequences follow the weights
+    syntax; any source data.source takes, with the other data settings), or in a TOML file a list of tables,
+    `[[data.blend]]` with `weight`, `source` and that source's own format, overlong, chat_template, tokenizer,
+    token_dtype, val_fraction or max_bytes. Each step's sequences follow the weights
     by a fixed schedule (within one sequence of them at every step); each source keeps its own shuffled order and
     epochs and holds out its own validation split; the summary and metrics.jsonl count the tokens trained from
     each."""
@@ -350,12 +352,9 @@ class JobConfig:
             )
         if self.data.tokenize_workers < 0:
             raise ValueError(f"data.tokenize_workers = {self.data.tokenize_workers}; use 0 (one per core) or more")
-        if not 0 < self.data.val_fraction < 1:
-            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
-        for name in ("token_dtype", "format", "overlong"):
-            check_choice(f"data.{name}", getattr(self.data, name), SETTINGS[f"data.{name}"])
+        _check_source_settings(self.data, "data")
         if self.data.blend:
-            parse_blend(self.data.blend)
+            blend_sources(self.data)
         check_choice("parallel.ep_backend", self.parallel.ep_backend, SETTINGS["parallel.ep_backend"])
         p = self.parallel
         if p.offload == "optimizer":
@@ -548,6 +547,26 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def blend_sources(data: DataConfig) -> list[tuple[float, DataConfig]]:
+    """data.blend as [(weight, the data settings its source is read with)]: the run's, with what a
+    `[[data.blend]]` table sets for its source; ValueError in one line, naming the table, on bad input."""
+    hints, out = _hints(DataConfig), []
+    for i, (weight, source, settings) in enumerate(parse_blend(data.blend)):
+        where = f"data.blend[{i}]" if isinstance(data.blend, list) else "data"
+        own = {k: _convert(f"{where}.{k}", hints[k], v) for k, v in settings.items()}
+        one = dataclasses.replace(data, source=source, blend="", **own)
+        _check_source_settings(one, where)
+        out.append((weight, one))
+    return out
+
+
+def _check_source_settings(d: DataConfig, where: str) -> None:
+    if not 0 < d.val_fraction < 1:
+        raise ValueError(f"{where}.val_fraction must be in (0, 1), got {d.val_fraction}")
+    for name in ("token_dtype", "format", "overlong"):
+        check_choice(f"{where}.{name}", getattr(d, name), SETTINGS[f"data.{name}"])
+
+
 def _hints(cls: type) -> dict[str, typing.Any]:
     import moeflow.core.model_config as model_config
 
@@ -575,6 +594,10 @@ def _convert(key: str, hint, value):
             return None
     for typ in allowed:
         if typ is type(None):
+            continue
+        if typ is list or isinstance(value, (list, dict)):  # a TOML array is taken as it is, never as a string
+            if typ is list and isinstance(value, list):
+                return value
             continue
         if typ is bool:
             if isinstance(value, bool):
@@ -718,6 +741,10 @@ def _toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table: `[[data.blend]]` tables written back on one line each
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return repr(v)
 
 

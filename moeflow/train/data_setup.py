@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeflow.config import JobConfig
-from moeflow.core.blend import parse_blend
+from moeflow.config import JobConfig, blend_sources
 from moeflow.data import megatron
 from moeflow.data.blend import BlendSampler, BlendSource
 from moeflow.data.megatron import megatron_prefix
@@ -189,13 +188,13 @@ def _document_rows(cfg: JobConfig, cache, summary: dict) -> Data:
 
 def _blend(cfg: JobConfig, is_main: bool) -> Data:
     """Each source of data.blend built as data.source would be, then blended (moeflow.data.blend)."""
-    pairs = parse_blend(cfg.data.blend)
+    pairs = blend_sources(cfg.data)
     total = sum(w for w, _ in pairs)
     sources, val, summaries = [], [], []
-    for weight, source in pairs:
-        one = replace(cfg, data=replace(cfg.data, source=source, blend=""))
+    for weight, data in pairs:
+        source = data.source
         try:
-            part = build_data(one, is_main)
+            part = build_data(replace(cfg, data=data), is_main)
         except ValueError as e:
             raise ValueError(f"data.blend = {cfg.data.blend!r}, source {source!r}: {e}") from None
         sources.append(BlendSource(source, weight / total, part.train))

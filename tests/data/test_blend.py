@@ -123,3 +123,48 @@ def test_two_ranks_train_the_one_process_blend_and_skip_a_too_small_validation_b
             for run in ("one", "ep2")}
     np.testing.assert_allclose([r["loss"] for r in rows["ep2"]], [r["loss"] for r in rows["one"]], rtol=1e-5)
     assert rows["ep2"][-1]["val_loss"] > 0 and rows["ep2"][-1]["data_tokens"] == rows["one"][-1]["data_tokens"]
+
+
+def test_a_toml_list_of_tables_gives_each_source_its_own_settings(tmp_path):
+    """[[data.blend]] tables: the uint32 file read with its own token_dtype trains exactly what the string form
+    trains from the same tokens stored as uint16 (the run's token_dtype); the tables survive config.toml."""
+    fixtures = Path(__file__).parent / "megatron"
+    tokens = np.random.default_rng(0).integers(0, 256, 3000)
+    tokens.astype(np.uint16).tofile(tmp_path / "narrow.bin")
+    tokens.astype(np.uint32).tofile(tmp_path / "wide.bin")
+    (tmp_path / "job.toml").write_text(f"""
+[[data.blend]]
+weight = 3
+source = "{fixtures / 'small_uint16'}"
+
+[[data.blend]]
+weight = 1
+source = "{tmp_path / 'wide.bin'}"
+token_dtype = "uint32"
+""")
+    more = _overrides(tmp_path / "tables")
+    del more["data.blend"]
+    cfg = load_config(tmp_path / "job.toml", more)
+    assert load_config(None, {"data.blend": "1 a"}).data.blend == "1 a"
+    tables = train(cfg, progress=False)
+    assert load_config(tmp_path / "tables" / "config.toml").data.blend == cfg.data.blend  # written back, reread
+    string = train(load_config(None, _overrides(tmp_path / "string", **{
+        "data.blend": f"3 {fixtures / 'small_uint16'} 1 {tmp_path / 'narrow.bin'}"})), progress=False)
+    losses = lambda run: [json.loads(r)["loss"] for r in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    assert losses("tables") == losses("string")
+    assert [s["trained_tokens"] for s in tables["data"]["sources"]] == [
+        s["trained_tokens"] for s in string["data"]["sources"]]
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"weight": 1}, r"data.blend\[0\] = .*: each \[\[data.blend\]\] table needs weight = NUMBER and source"),
+    ({"weight": "x", "source": "a"}, r"data.blend\[0\]: weight = 'x' is not a number"),
+    ({"weight": 0, "source": "a"}, r"data.blend\[0\]: the weight of 'a' is 0; every weight must be positive"),
+    ({"weight": 1, "source": "a", "fromat": "chat"}, r"'fromat' is not a setting a source of a blend takes. "
+                                                    r"Did you mean 'format'\?"),
+    ({"weight": 1, "source": "a", "format": "chatt"}, r"data.blend\[0\].format"),
+    ({"weight": 1, "source": "a", "val_fraction": 2}, r"data.blend\[0\].val_fraction must be in \(0, 1\), got 2"),
+])
+def test_bad_tables_are_one_line(tmp_path, table, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, _overrides(tmp_path, **{"data.blend": [table]}))
