@@ -213,6 +213,8 @@ def _data_line(d: dict) -> str:
         total = sum(src["trained_tokens"] for src in d["sources"]) or 1
         return "blend: " + "; ".join(f"{src['name']} {src['weight']:.2f} (trained {src['trained_tokens']:,} tokens, "
                                      f"{src['trained_tokens'] / total:.1%})" for src in d["sources"])
+    if d.get("streaming"):
+        return f"text, streamed from {d['source']} (epoch {d['epoch']}, next window in record {d['next_record']:,})"
     line = f"{d['format']}, {d['records']:,} records"
     if "rows" in d:
         line += f" -> {d['rows']:,} {'packed ' if d['packing'] else ''}rows ({d['fill']:.0%} full)"

@@ -65,7 +65,13 @@ class DataConfig:
     tokenize_workers: int = 0
     """Processes that tokenize records into the cache; 0 = one per core where the launcher (--nproc-per-node) or
     `moeflow train --prepare-data` tokenizes, rank 0 alone inside a torchrun job. Any number writes the same
-    cache."""
+    cache. Under data.streaming: the processes each rank tokenizes with (0 = in the rank itself)."""
+    streaming: bool = False
+    """Read data.source lazily (record files, a folder, a saved dataset, hf:NAME, text files) and tokenize ahead
+    of the step, in a bounded buffer, instead of tokenizing it into a cache first: for corpora too large for that.
+    The windows come in the stream's order (unshuffled: shuffle the corpus when writing it), epoch after epoch;
+    validation holds out the stream's first eval.batches x training.global_batch windows (not data.val_fraction);
+    data.format = 'text' without packing."""
     cache_dir: str = ""
     """Where tokenized datasets are kept, one folder per source, tokenizer and format ('' = RUN_DIR/data-cache)."""
     tokenizer: str = "auto"
@@ -353,6 +359,8 @@ class JobConfig:
         if self.data.tokenize_workers < 0:
             raise ValueError(f"data.tokenize_workers = {self.data.tokenize_workers}; use 0 (one per core) or more")
         _check_source_settings(self.data, "data")
+        if self.data.streaming:
+            self._validate_streaming()
         if self.data.blend:
             blend_sources(self.data)
         check_choice("parallel.ep_backend", self.parallel.ep_backend, SETTINGS["parallel.ep_backend"])
@@ -385,6 +393,24 @@ class JobConfig:
         self._validate_profile()
         self._validate_save_hf()
         return self
+
+    def _validate_streaming(self) -> None:
+        d = self.data
+        if d.blend:
+            raise ValueError("data.streaming = true with data.blend is not supported yet; blend sources tokenized "
+                             "up front (drop data.streaming), or stream a single data.source")
+        if d.format != "text" or d.packing:
+            what = f"data.format = {d.format!r}" if d.format != "text" else "data.packing = true"
+            raise ValueError(f"data.streaming = true with {what}: streaming reads a token stream of 'text' records; "
+                             f"use data.format = 'text' without packing, or drop data.streaming")
+        from moeflow.data.megatron import megatron_prefix
+        from moeflow.data.records import resolve
+        from moeflow.data.token_cache import is_cache_folder
+
+        if megatron_prefix(d.source) is not None or d.source.endswith(".bin") or is_cache_folder(d.source):
+            raise ValueError(f"data.streaming = true with data.source = {d.source!r}: it is tokenized already and "
+                             f"read in place without loading it; drop data.streaming")
+        resolve(d.source)  # a missing file or folder: one line now, not in every rank
 
     def _validate_save_hf(self) -> None:
         if not self.checkpoint.save_hf:

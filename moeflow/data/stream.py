@@ -318,6 +318,25 @@ def num_windows(num_tokens: int, seq_len: int) -> int:
     return max(0, (num_tokens - 1) // seq_len)
 
 
+def check_batch_split(seq_len: int, global_batch: int, dp_rank: int, dp_size: int) -> None:
+    """A sequence length and a global batch every data-parallel rank can take its equal share of."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len = {seq_len} must be at least 1.")
+    if global_batch < 1:
+        raise ValueError(f"training.global_batch = {global_batch} must be at least 1.")
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"data-parallel rank {dp_rank} is outside [0, {dp_size}); this is a launch bug.")
+    if global_batch % dp_size:
+        lower = global_batch // dp_size * dp_size
+        fits = " or ".join(str(b) for b in (lower, lower + dp_size) if b > 0)
+        raise ValueError(
+            f"training.global_batch = {global_batch} is not divisible by the data-parallel size "
+            f"(parallel data size = {dp_size}); every rank needs the same number of sequences. "
+            f"Choose training.global_batch = {fits} (a multiple of {dp_size}), or change the "
+            "data-parallel size."
+        )
+
+
 class BatchSampler:
     """Shuffled training sequences, epoch after epoch, each step's `global_batch` split across DP ranks.
 
@@ -329,21 +348,7 @@ class BatchSampler:
 
     def __init__(self, data, seq_len: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0):
-        if seq_len < 1:
-            raise ValueError(f"seq_len = {seq_len} must be at least 1.")
-        if global_batch < 1:
-            raise ValueError(f"training.global_batch = {global_batch} must be at least 1.")
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"data-parallel rank {dp_rank} is outside [0, {dp_size}); this is a launch bug.")
-        if global_batch % dp_size:
-            lower = global_batch // dp_size * dp_size
-            fits = " or ".join(str(b) for b in (lower, lower + dp_size) if b > 0)
-            raise ValueError(
-                f"training.global_batch = {global_batch} is not divisible by the data-parallel size "
-                f"(parallel data size = {dp_size}); every rank needs the same number of sequences. "
-                f"Choose training.global_batch = {fits} (a multiple of {dp_size}), or change the "
-                "data-parallel size."
-            )
+        check_batch_split(seq_len, global_batch, dp_rank, dp_size)
         self.source = TokenWindows(data, seq_len) if isinstance(data, np.ndarray) else data
         self.seq_len = seq_len
         self.global_batch = global_batch

@@ -171,12 +171,18 @@ _WORK: dict = {}
 
 
 def _encode_batch(start: int, ds=None, encoder=None):
-    """Records [start, start + _BATCH) encoded as arrays (what crosses cheaply from a worker): ids uint32,
-    lengths and trained targets per document int64, masks uint8 (None for text); or (the record index, what is
-    wrong) for a bad record."""
+    """Records [start, start + _BATCH) of the dataset, encoded (encode_records)."""
     ds, encoder = ds if ds is not None else _WORK["ds"], encoder or _WORK["encoder"]
+    return encode_records(ds[start:start + _BATCH], start, encoder)
+
+
+def encode_records(records: dict, start: int, encoder=None):
+    """A batch of records (columns of lists; the first is record `start`) encoded as arrays (what crosses cheaply
+    from a worker): ids uint32, lengths and trained targets per document int64, masks uint8 (None for text); or
+    (the record index, what is wrong) for a bad record."""
+    encoder = encoder or _WORK["encoder"]
     try:
-        docs = encoder.encode(ds[start:start + _BATCH], start)
+        docs = encoder.encode(records, start)
     except _Located as e:
         return (e.index, e.what)
     ids = np.concatenate([np.asarray(d, dtype=np.uint32) for d, _ in docs]) if docs else np.zeros(0, np.uint32)

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from moeflow.config import JobConfig, blend_sources
-from moeflow.data import megatron
+from moeflow.data import megatron, streaming
 from moeflow.data.blend import BlendSampler, BlendSource
 from moeflow.data.megatron import megatron_prefix
 from moeflow.data.records import is_record_source, resolve
 from moeflow.data.stream import BatchSampler, TokenWindows, load_tokens, split_tokens, val_batches
-from moeflow.data.token_cache import ChatEncoder, TextEncoder, is_cache_folder, open_cache, write_cache
+from moeflow.data.streaming import StreamingSampler
+from moeflow.data.token_cache import ChatEncoder, TextEncoder, cache_key, is_cache_folder, open_cache, write_cache
 from moeflow.data.tokenizer import load_tokenizer
 
 
@@ -34,9 +36,14 @@ class Data:
     val: list
     summary: dict = field(default_factory=dict)  # what the run's summary reports about the data
     blend: list[BlendSource] | None = None  # data.blend's sources (train is then unused)
+    streamed: StreamingSampler | None = None  # data.streaming's one-process sampler (train is then unused)
 
-    def sampler(self, cfg: JobConfig, dp_rank: int, dp_size: int) -> BatchSampler | BlendSampler:
+    def sampler(self, cfg: JobConfig, dp_rank: int, dp_size: int) -> BatchSampler | BlendSampler | StreamingSampler:
         t = cfg.training
+        if self.streamed:
+            s = self.streamed
+            return StreamingSampler(s.open_documents, s.key, s.seq_len, s.global_batch, dp_rank, dp_size,
+                                    s.held_out, s.vocab_size)
         if self.blend:
             return BlendSampler(self.blend, cfg.data.seq_len, t.global_batch, dp_rank, dp_size, t.seed)
         return BatchSampler(self.train, cfg.data.seq_len, t.global_batch, dp_rank, dp_size, t.seed)
@@ -44,6 +51,8 @@ class Data:
 
 def uses_cache(cfg: JobConfig) -> bool:
     d = cfg.data
+    if d.streaming:  # tokenized as it is read (moeflow.data.streaming)
+        return False
     if megatron_prefix(d.source) is not None:  # already tokenized: read in place (moeflow.data.megatron)
         return False
     if d.source.endswith(".bin") and Path(d.source).is_file():
@@ -140,6 +149,8 @@ def build_data(cfg: JobConfig, is_main: bool = True) -> Data:
     """The job's training sequences, validation batches and data summary (every rank the same)."""
     if cfg.data.blend:
         return _blend(cfg, is_main)
+    if cfg.data.streaming:
+        return _streamed(cfg)
     d, t = cfg.data, cfg.training
     prefix = megatron_prefix(d.source)
     if prefix is not None and d.format != "text":
@@ -184,6 +195,18 @@ def _document_rows(cfg: JobConfig, cache, summary: dict) -> Data:
                    truncated=train.stats["truncated"] + val.stats["truncated"],
                    dropped=train.stats["dropped"] + val.stats["dropped"])
     return Data(train, val_batches(val, d.seq_len, t.global_batch, cfg.eval.batches), summary)
+
+
+def _streamed(cfg: JobConfig) -> Data:
+    """data.streaming: the sampler reads and tokenizes the source as the steps need it; every rank the same."""
+    d, t = cfg.data, cfg.training
+    src, encoder = resolve(d.source), make_encoder(cfg)
+    key = f"stream-{cache_key(src, encoder, d.max_bytes)}"
+    open_documents = partial(streaming.documents, src, encoder, workers=d.tokenize_workers, max_bytes=d.max_bytes)
+    one = StreamingSampler(open_documents, key, d.seq_len, t.global_batch, held_out=cfg.eval.batches * t.global_batch,
+                           vocab_size=cfg.model.vocab_size)
+    val = val_batches(one.held_out_tokens(), d.seq_len, t.global_batch, cfg.eval.batches)
+    return Data(None, val, {"format": "text", "streaming": True, "source": d.source}, streamed=one)
 
 
 def _blend(cfg: JobConfig, is_main: bool) -> Data:

@@ -244,6 +244,9 @@ def _data_summary(cfg: JobConfig, s: Setup) -> dict | None:
     if cfg.data.blend:
         for entry, trained in zip(s.data_summary["sources"], s.sampler.trained):
             entry["trained_tokens"] = trained
+    if cfg.data.streaming:  # where the stream stands: its epoch and the record the next window starts in
+        position = s.sampler.state_dict()
+        s.data_summary.update(epoch=position["epoch"], next_record=position["record"])
     return s.data_summary
 
 

@@ -2,7 +2,7 @@
 architecture found is "ok" or a one-line refusal, never a failure, and agrees with the committed results file
 that README.md's table is rendered from (bench/results/hf_coverage.json).
 
-CI runs the architectures the README names (the families users bring most); the slow test runs all of them and
+CI runs four of the architectures the README names (the families users bring most); the slow test runs all and
 also checks that the committed file lists exactly the architectures the installed transformers has."""
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from tests.support.dist_harness import check_results, launch  # noqa: E402
 from tests.support.hf_tiny import moe_architectures  # noqa: E402
 
 COMMITTED = Path(__file__).resolve().parents[2] / "bench" / "results" / "hf_coverage.json"
-NAMED = ["gpt_oss", "glm4_moe", "glm4_moe_lite", "qwen2_moe", "deepseek_v2", "granitemoeshared", "phimoe",
+# the README's named families; CI runs the first four (the slow test runs every architecture)
+NAMED = ["gpt_oss", "glm4_moe", "qwen2_moe", "deepseek_v2", "glm4_moe_lite", "granitemoeshared", "phimoe",
          "qwen3_next", "jamba", "minimax"]
+IN_CI = NAMED[:4]
 
 
 def _matrix(archs: list[str]) -> dict:
@@ -47,9 +49,9 @@ def _check(cells: dict) -> None:
 
 @pytest.mark.timeout(400)
 def test_named_architectures_train_export_and_generate():
-    cells = _matrix(NAMED)
+    cells = _matrix(IN_CI)
     _check(cells)
-    for arch in NAMED:  # what the README promises of each
+    for arch in IN_CI:  # what the README promises of each
         assert all(cells[arch][c] == "ok" for c in ("ep=2", "dp=2", "export", "generate")), arch
 
 
