@@ -254,6 +254,30 @@ def optim() -> str:
     return "\n".join(lines)
 
 
+def data_prep() -> str:
+    r = _load("data_prep")
+    meta, prep, blend = r["meta"], r["prep"], r["blend"]
+    lines = [_wrap(f"`bench/data_prep.py` (`bench/results/data_prep.json`): {meta['corpus_mb']} MB of jsonl documents "
+                   f"(the standard library's sources, repeated) in {meta['shards']} shards, a byte-level BPE of "
+                   f"{meta['vocab']:,} tokens, {meta['cpu_count']} CPU cores; every tool writes each document's ids "
+                   f"and an end-of-document token:"), "",
+             "| tokenizer run | seconds | tokens | tokens/s | vs the fastest peer |", "|---|---|---|---|---|"]
+    for row in prep:
+        vs = f"{row['vs_fastest_peer']:.2f}x" if row["vs_fastest_peer"] else "-"
+        lines.append(f"| {row['tool']} | {row['seconds']:.1f} | {row['tokens']:,} | {row['tokens_per_s']:,.0f} "
+                     f"| {vs} |")
+    one, mixed = blend["rows"]["one source"], blend["rows"]["blend of three"]
+    lines += ["", _wrap(f"Target (moeflow's cache at least the fastest peer): "
+                        f"{'met' if r['prep_target_met'] else 'not met'}. Training tiny-moe fed by a blend of three "
+                        f"sources runs at {blend['tokens_per_s_ratio']:.3f}x the tokens/s of one source "
+                        f"({mixed['tokens_per_s']:,.0f} against {one['tokens_per_s']:,.0f}; interleaved blocks of "
+                        f"{meta['steps_per_block']} steps, medians of {meta['blocks']}); the blend's sampler takes "
+                        f"{mixed['loader_ms']:.2f} ms of a {mixed['step_ms']:.0f} ms step against "
+                        f"{one['loader_ms']:.2f} ms ({blend['loader_overhead']:.2%} of a step more; target <= 2%: "
+                        f"{'met' if r['blend_target_met'] else 'not met'}).")]
+    return "\n".join(lines)
+
+
 def _short(reason: str) -> str:
     """A refusal's first clause, for a table cell."""
     return reason.split(";")[0].split(": ", 1)[-1].strip().rstrip(".")
@@ -305,6 +329,7 @@ BLOCKS = {
     "hf_coverage": ("README.md", hf_coverage, False),
     "lora": ("bench/README.md", lora, False),
     "optim": ("bench/README.md", optim, False),
+    "data_prep": ("bench/README.md", data_prep, False),
 }
 
 

@@ -125,6 +125,23 @@ def test_two_ranks_train_the_one_process_blend_and_skip_a_too_small_validation_b
     assert rows["ep2"][-1]["val_loss"] > 0 and rows["ep2"][-1]["data_tokens"] == rows["one"][-1]["data_tokens"]
 
 
+@pytest.mark.slow  # 2 then 4 ranks (~35 s): make test runs it, CI the 2-rank run above and the sampler's resume
+def test_a_blend_stopped_on_two_ranks_resumes_on_four_under_ep2(tmp_path):
+    """Steps 1-3 under dp=2 on 2 ranks, 4-6 under ep=2 x dp=4 on 4 ranks: the one-process run's losses."""
+    from tests.parallel.layout_worker import launch
+
+    train(load_config(None, _overrides(tmp_path / "one")), progress=False)
+    split = str(tmp_path / "split")
+    argv = lambda **more: [f"--{k}={v}" for k, v in _overrides(split, **more).items()]
+    assert launch(2, [("dp2", argv(**{"training.stop_at": 3}), split, False)]) == {"dp2": "ok"}
+    assert launch(4, [("ep2-dp4", argv(**{"parallel.ep": 2}), split, True)]) == {"ep2-dp4": "ok"}
+    rows = {run: [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+            for run in ("one", "split")}
+    assert [r["step"] for r in rows["split"]] == list(range(1, 7))
+    np.testing.assert_allclose([r["loss"] for r in rows["split"]], [r["loss"] for r in rows["one"]], rtol=1e-5)
+    assert rows["split"][-1]["data_tokens"] == rows["one"][-1]["data_tokens"]
+
+
 def test_a_toml_list_of_tables_gives_each_source_its_own_settings(tmp_path):
     """[[data.blend]] tables: the uint32 file read with its own token_dtype trains exactly what the string form
     trains from the same tokens stored as uint16 (the run's token_dtype); the tables survive config.toml."""

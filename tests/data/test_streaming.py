@@ -90,7 +90,7 @@ def test_a_resume_onto_two_ranks_continues_the_rows_from_its_record(tmp_path):
     state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint keeps: plain values
     assert state["record"] > 0 and state["offset"] >= 0
     opened = [[], []]
-    ranks = [_sampler(src, workers=1, dp_rank=r, dp_size=2, opened=opened[r]) for r in range(2)]
+    ranks = [_sampler(src, dp_rank=r, dp_size=2, opened=opened[r]) for r in range(2)]
     for r in ranks:
         r.load_state_dict(state)
     assert opened[0][-1] == state["record"]  # reading resumes at its record: the ones before are skipped

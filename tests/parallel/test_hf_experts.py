@@ -129,6 +129,7 @@ def _run(_, case) -> None:
     fn(**kwargs)
 
 
+@pytest.mark.slow  # 16 s: make test runs it; CI has ep=2 on transformers' experts in tests/e2e/test_hf_coverage.py
 @pytest.mark.timeout(180)
 def test_hf_experts_under_ep2_equal_one_process():
     cases = [("qwen3_moe", case_matches_one_process, dict(arch="qwen3_moe")),
