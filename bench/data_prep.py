@@ -137,7 +137,7 @@ def ensure_datatrove(make: bool) -> Path | None:
             return None
         print(f"making {VENV} (python3.11 -m venv; pip install datatrove)", flush=True)
         subprocess.run(["python3.11", "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "--quiet", "datatrove", "tokenizers"], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "--quiet", "datatrove", "tokenizers", "orjson"], check=True)
     return py
 
 
@@ -182,8 +182,8 @@ def blend_overhead(work: Path, blocks: int, steps_per_block: int) -> dict:
             return batch
 
         s.sampler.next_batch = timed
-    for block in range(blocks + 1):  # block 0 warms up
-        for name, (cfg, s) in setups.items():
+    for block in range(blocks + 1):  # block 0 warms up; the order alternates, so neither always runs first
+        for name, (cfg, s) in (list(setups.items())[::-1] if block % 2 else setups.items()):
             t0 = time.perf_counter()
             for _ in range(steps_per_block):
                 train_step(cfg, s, with_moe_stats=False)

@@ -124,6 +124,11 @@ class TrainingConfig:
     matches AdamW's, so one lr serves both) or 'original' lr x sqrt(max(1, A / B))."""
     muon_adamw_lr: float = 0.0
     """The AdamW part's peak learning rate under training.optimizer = 'muon'; 0 = training.lr."""
+    muon_clip: float = 0.0
+    """MuonClip (Kimi K2's qk-clip) with this threshold (K2: 100; 0 = off): after each step, an attention head whose
+    largest logit q.k / sqrt(d) in the step exceeded it has its query projection scaled down so that it would not;
+    metrics.jsonl logs each layer's largest logit ('max_logit'). Grouped-query attention without q/k norms, under
+    every layout but context parallelism; costs an extra Q K^T per step."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -451,6 +456,9 @@ class JobConfig:
     def _validate_muon(self) -> None:
         t = self.training
         if t.optimizer != "muon":
+            if t.muon_clip:
+                raise ValueError(f"training.muon_clip = {t.muon_clip} with training.optimizer = {t.optimizer!r}: the "
+                                 f"clip is MuonClip's; add --training.optimizer=muon or drop training.muon_clip")
             return
         if t.muon_ns_steps < 1:
             raise ValueError(f"training.muon_ns_steps = {t.muon_ns_steps}; Muon needs at least 1 Newton-Schulz "
@@ -466,6 +474,21 @@ class JobConfig:
         if self.model.runs_transformers:
             raise ValueError(f"training.optimizer = 'muon' on transformers' own modules ({self.model.hf_path}) is "
                              f"not supported yet; use model.hf_impl = 'native' where moeflow maps the architecture")
+        self._validate_muon_clip()
+
+    def _validate_muon_clip(self) -> None:
+        t, m = self.training, self.model
+        if t.muon_clip < 0:
+            raise ValueError(f"training.muon_clip = {t.muon_clip}; use a positive threshold (Kimi K2: 100) or 0 (off)")
+        if not t.muon_clip:
+            return
+        why = ("MLA splits each head in parts a per-head query scale does not bound" if m.attention == "mla" else
+               f"model.qk_norm = {m.qk_norm!r} renormalises the queries a clip would scale" if m.qk_norm != "none"
+               else "context parallelism splits the keys each head's largest logit needs" if self.parallel.cp > 1
+               else "compiled blocks do not record the logits" if t.compile else None)
+        if why:
+            raise ValueError(f"training.muon_clip = {t.muon_clip} for this run: {why}; drop training.muon_clip (Muon "
+                             f"runs without the clip)")
 
     def _validate_peft(self) -> None:
         f = self.peft

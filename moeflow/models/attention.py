@@ -69,3 +69,26 @@ def _fused_masked_gqa(q, k, v, mask) -> bool:
     from torch.backends.cuda import SDPAParams, can_use_efficient_attention
 
     return can_use_efficient_attention(SDPAParams(q, k, v, mask, 0.0, False, True))
+
+
+LOGIT_BLOCK = 256  # queries per block in max_logits: bounds its memory at [B, H, 256, T] floats
+
+
+def max_logits(q_BHSD: torch.Tensor, k_BHkTD: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """[H]: the largest logit q.k / sqrt(D) of each query head over the positions it attends (mask None: causal;
+    else True where a query attends a key); key heads shared by H / Hk query heads as enable_gqa shares them."""
+    B, H, S, D = q_BHSD.shape
+    k_BHTD = k_BHkTD.repeat_interleave(H // k_BHkTD.shape[1], dim=1).float()
+    T = k_BHTD.shape[2]
+    best_H = torch.full((H,), -torch.inf, device=q_BHSD.device)
+    for lo in range(0, S, LOGIT_BLOCK):
+        hi = min(S, lo + LOGIT_BLOCK)
+        logits = q_BHSD[:, :, lo:hi].float() @ k_BHTD.transpose(-1, -2) / D ** 0.5  # [B, H, s, T]
+        if mask is None:  # causal: query i (of the last S positions of T) sees keys up to T - S + i
+            rows = torch.arange(lo, hi, device=q_BHSD.device)[:, None] + (T - S)
+            sees = torch.arange(T, device=q_BHSD.device)[None, :] <= rows
+        else:
+            sees = mask[..., lo:hi, :]
+        logits = logits.masked_fill(~sees, -torch.inf)
+        best_H = torch.maximum(best_H, logits.amax(dim=(0, 2, 3)))
+    return best_H

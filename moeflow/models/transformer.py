@@ -17,7 +17,7 @@ from torch import nn
 
 from moeflow.core import phases
 from moeflow.core.model_config import ModelConfig
-from moeflow.models.attention import cached_causal_mask, document_causal_mask
+from moeflow.models.attention import cached_causal_mask, document_causal_mask, max_logits
 from moeflow.models.kv_cache import KVCache, LayerCache
 from moeflow.models.layers import AttentionCore, RMSNorm, apply_rope, rope_tables
 from moeflow.models.mla import MultiHeadLatentAttention
@@ -61,6 +61,10 @@ class Attention(AttentionCore, nn.Module):
         q_BHSDh, k_BHSDh = apply_rope(q_BHSDh, cos_SDh, sin_SDh), apply_rope(k_BHSDh, cos_SDh, sin_SDh)
         if cache is not None:
             k_BHSDh, v_BHSDh = cache.append(k_BHSDh, v_BHSDh)  # now [B, Hk, T, Dh]
+        if hasattr(self, "max_logits") and self.training and torch.is_grad_enabled():  # MuonClip is on
+            with torch.no_grad():
+                best_H = max_logits(q_BHSDh, k_BHSDh, mask)
+            self.max_logits = best_H if self.max_logits is None else torch.maximum(self.max_logits, best_H)
         o_BHSDh = self.core(q_BHSDh, k_BHSDh, v_BHSDh, mask)
         return self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1))
 

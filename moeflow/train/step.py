@@ -15,6 +15,7 @@ from moeflow.data.stream import IGNORE_INDEX
 from moeflow.models.phase_range import phase_range
 from moeflow.parallel.grads import clip_grad_norm_
 from moeflow.parallel.runner import router_layers
+from moeflow.train import qk_clip
 from moeflow.train.build import Setup
 from moeflow.train.distributed import DistInfo, SumPacker, Sums, all_reduce_sum
 
@@ -77,6 +78,7 @@ class StepResult:
     per_rank: dict[str, list[float]]  # every rank's value of each name `per_rank` returned, indexed by rank
     losses: dict[str, float]  # the extra losses ({"mtp_loss": ...}), global means like `loss`
     moe: dict[int, LayerStats] | None  # by global layer index (only with `with_moe_stats` and MoE layers)
+    max_logits: dict[int, float] | None = None  # training.muon_clip: each layer's largest attention logit
 
 
 def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: bool = False,
@@ -87,6 +89,8 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     per_rank: a function returning a few named numbers of this rank (its stop flag, busy time, peak memory), called
     after backward; every rank's values ride in the same all-reduce and come back as StepResult.per_rank."""
     layers = moe_layers(cfg)
+    if cfg.training.muon_clip:
+        qk_clip.track([s.model])  # the step's forwards record each head's largest logit
     packer = _forward_backward(cfg, s, layers)
     for name, value in (per_rank() if per_rank else {}).items():
         packer.add(f"rank/{name}", _one_hot(value, s.info))
@@ -96,12 +100,18 @@ def train_step(cfg: JobConfig, s: Setup, with_moe_stats: bool = True, measure: b
     world = s.info.world_size  # every rank holds the same loss, extra losses and norm: divide the copies out
     loss, grad_norm = sums["loss"] / world, sums["grad_norm"] / world
     skipped, lr = _optimizer_step(cfg, s, loss, grad_norm)
+    max_logits = None
+    if cfg.training.muon_clip:  # after the update, as K2: the step's logits bound the next step's weights
+        tp_rank = s.par.tp_mesh.get_local_rank() if s.par.tp_mesh is not None else 0
+        max_logits = qk_clip.clip([s.model], cfg.training.muon_clip if not skipped else float("inf"),
+                                  cfg.model.n_layers, cfg.model.n_heads, tp_rank)
     grad_bytes = _local_bytes(p.grad for p in s.model.parameters()) if measure else None  # sizes only, no sync
     s.optimizer.zero_grad(set_to_none=True)
     s.scheduler.step()
     moe = _route_next_step(cfg, s, layers, sums, with_moe_stats) if layers else None
     return StepResult(loss, lr, grad_norm, skipped, grad_bytes, per_rank=sums.group("rank/"),
-                      losses={name: v / world for name, v in sums.group("extra/").items()}, moe=moe)
+                      losses={name: v / world for name, v in sums.group("extra/").items()}, moe=moe,
+                      max_logits=max_logits)
 
 
 def _forward_backward(cfg: JobConfig, s: Setup, layers: list[int]) -> SumPacker:

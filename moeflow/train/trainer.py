@@ -260,6 +260,8 @@ def _metrics_record(result: StepResult, tokens_per_s: float, mfu: float | str, v
     }
     if result.skipped:
         record["skipped"] = True
+    if result.max_logits is not None:  # training.muon_clip: each layer's largest attention logit, before the clip
+        record["max_logit"] = {str(layer): v for layer, v in result.max_logits.items()}
     if val_loss is not None:
         record["val_loss"] = val_loss
     if result.moe is not None:
