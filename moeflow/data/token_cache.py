@@ -196,28 +196,110 @@ def encode_records(records: dict, start: int, encoder=None):
 
 
 def _encoded_batches(ds, encoder, workers: int):
-    """Each batch's encoded documents, in record order: in this process, or in `workers` forked ones."""
+    """Each batch's encoded documents and its record count, in record order: in this process, or in `workers`
+    forked ones."""
     starts = range(0, len(ds), _BATCH)
-    if workers <= 1 or len(starts) < 2:
-        for start in starts:
-            yield _encode_batch(start, ds, encoder)
+    for encoded in _in_workers(_encode_batch, starts, workers, ds=ds, encoder=encoder):
+        yield encoded, _BATCH if len(encoded) != 2 else 0
+
+
+def _in_workers(fn, items, workers: int, **work):
+    """fn(item) for each item, in order: here, or in `workers` forked processes that inherit `work`."""
+    if workers <= 1 or len(items) < 2:
+        _WORK.update(work)
+        try:
+            yield from map(fn, items)
+        finally:
+            _WORK.clear()
         return
     import multiprocessing
 
-    _WORK.update(ds=ds, encoder=encoder)
+    _WORK.update(work)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # each worker one thread: the processes are the split
     try:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
-            yield from pool.imap(_encode_batch, starts)
+            yield from pool.imap(fn, items)
     finally:
         _WORK.clear()
 
 
-def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, progress, workers: int = 1) -> dict:
-    from tqdm import tqdm
+# ---- plain text jsonl: read by the workers themselves -----------------------------------------------------------
+# `datasets` copies a json file into Arrow before a record can be read (about a tenth of the tokenizing time); the
+# common case - jsonl files whose every line is an object with a string 'text' - needs none of it: the workers read
+# byte ranges of the files, cut at line ends. The records and so the cache are the same; anything else (a bad line,
+# a record without its text) makes the general path below read the files again and name what is wrong.
+_CHUNK_BYTES = 8 << 20
 
-    ds = load(src, out, max_bytes)
+
+class _NotPlain(Exception):
+    pass
+
+
+def _is_plain_jsonl(src: RecordSource, encoder) -> bool:
+    return encoder.format == "text" and src.builder == "json" and all(f.endswith(".jsonl") for f in src.files)
+
+
+def _jsonl_chunks(files: list[str]) -> list[tuple[int, int, int]]:
+    """(file index, first byte, end byte) of about _CHUNK_BYTES each, ending at a line end."""
+    chunks = []
+    for i, f in enumerate(files):
+        size, start = os.path.getsize(f), 0
+        with open(f, "rb") as fh:
+            while start < size:
+                fh.seek(min(start + _CHUNK_BYTES, size))
+                fh.readline()
+                end = min(fh.tell(), size)
+                chunks.append((i, start, end))
+                start = end
+    return chunks
+
+
+def _encode_jsonl_chunk(chunk: tuple[int, int, int]):
+    """The chunk's records encoded (as _encode_batch) with its record count, or None if a line is not plain."""
+    i, start, end = chunk
+    with open(_WORK["files"][i], "rb") as fh:
+        fh.seek(start)
+        lines = fh.read(end - start).split(b"\n")
+    texts = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return None
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            return None
+        texts.append(text)
+    return encode_records({"text": texts}, 0), len(texts)
+
+
+def _jsonl_batches(src: RecordSource, encoder, workers: int, counts: list[int]):
+    chunks = _jsonl_chunks(src.files)
+    for chunk, result in zip(chunks, _in_workers(_encode_jsonl_chunk, chunks, workers, files=src.files,
+                                                 encoder=encoder)):
+        if result is None:
+            raise _NotPlain
+        counts[chunk[0]] += result[1]
+        yield result[0], chunk[2] - chunk[1]
+
+
+def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, progress, workers: int = 1) -> dict:
     spec = src.spec
+    if _is_plain_jsonl(src, encoder):
+        counts = [0] * len(src.files)
+        total = sum(os.path.getsize(f) for f in src.files)
+        try:
+            meta = _write_tokens(src, encoder, out, key, _jsonl_batches(src, encoder, workers, counts), total, "B",
+                                 progress)
+        except _NotPlain:
+            pass  # the general path reads the records again and says which is not a plain text record
+        else:
+            src.counts = counts
+            meta["source"] = src.describe()
+            return meta
+    ds = load(src, out, max_bytes)
     if len(ds) == 0:
         raise ValueError(f"data.source = {spec!r} holds no records; point it at a non-empty dataset")
     missing = [c for c in encoder.columns if c not in ds.column_names]
@@ -230,13 +312,22 @@ def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, p
         raise ValueError(f"data.source = {spec!r}: {src.locate(0)} has no {missing[0]!r} field (the records have "
                          f"{ds.column_names}); {hint[encoder.format]}: {fix}")
     wanted = [c for c in ds.column_names if c in (*encoder.columns, "input", "system")]
-    counts = {"documents": 0, "tokens": 0, "trained": 0, "max_id": 0}
+    return _write_tokens(src, encoder, out, key, _encoded_batches(ds.select_columns(wanted), encoder, workers),
+                         len(ds), "rec", progress)
+
+
+def _write_tokens(src: RecordSource, encoder, out: Path, key: str, batches, total: int, unit: str, progress) -> dict:
+    """tokens.bin, trained.bin, offsets.bin and doc_trained.bin from (encoded batch, progress) pairs; the meta."""
+    from tqdm import tqdm
+
+    spec = src.spec
+    counts = {"max_id": 0}
     offsets, doc_trained = [0], []
     with_mask = encoder.format != "text"
     with open(out / "tokens.bin", "wb") as f_tok, open(out / "trained.bin", "wb") as f_mask, \
-            tqdm(total=len(ds), desc=f"tokenizing {Path(spec).name or spec}", unit="rec", dynamic_ncols=True,
-                 disable=None if progress is None else not progress, mininterval=0.5) as bar:
-        for encoded in _encoded_batches(ds.select_columns(wanted), encoder, workers):
+            tqdm(total=total, desc=f"tokenizing {Path(spec).name or spec}", unit=unit, unit_scale=unit == "B",
+                 dynamic_ncols=True, disable=None if progress is None else not progress, mininterval=0.5) as bar:
+        for encoded, done in batches:
             if len(encoded) == 2:  # (record index, what is wrong with it)
                 raise ValueError(f"data.source = {spec!r}: {src.locate(encoded[0])} {encoded[1]}")
             ids_N, lengths_D, masks_N, trained_D = encoded
@@ -247,10 +338,13 @@ def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, p
             doc_trained.extend(trained_D.tolist())
             if len(ids_N):
                 counts["max_id"] = max(counts["max_id"], int(ids_N.max()))
-            bar.update(len(lengths_D))
+            bar.update(done if unit == "B" else len(lengths_D))
+    records = len(offsets) - 1
+    if records == 0:
+        raise ValueError(f"data.source = {spec!r} holds no records; point it at a non-empty dataset")
     if offsets[-1] == 0 or sum(doc_trained) == 0:
         what = "no tokens" if offsets[-1] == 0 else "no trained token (no assistant turn with content)"
-        raise ValueError(f"data.source = {spec!r}: its {len(ds)} records give {what}; check the data and "
+        raise ValueError(f"data.source = {spec!r}: its {records} records give {what}; check the data and "
                          f"data.format = {encoder.format!r}")
     if not with_mask:
         (out / "trained.bin").unlink()
@@ -259,7 +353,7 @@ def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, p
     return {"version": CACHE_VERSION, "key": key, "source": src.describe(), "format": encoder.format,
             "tokenizer": {"name": encoder.name, "fingerprint": encoder.fingerprint,
                           "vocab_size": encoder.vocab_size},
-            "documents": len(offsets) - 1, "tokens": offsets[-1], "trained_tokens": int(sum(doc_trained)),
+            "documents": records, "tokens": offsets[-1], "trained_tokens": int(sum(doc_trained)),
             "max_token_id": counts["max_id"]}
 
 

@@ -149,6 +149,31 @@ def test_tokenizing_in_worker_processes_writes_the_same_cache(tmp_path, tok_dir,
     assert messages[0] == messages[1] and "line 1101" in messages[0]
 
 
+def test_plain_jsonl_read_by_the_workers_is_the_datasets_path_cache(tmp_path, tok_dir, monkeypatch):
+    """Text jsonl over two files, blank lines included, read in many small chunks by 1 and 3 workers (no Arrow copy):
+    the cache datasets' path writes, byte for byte, and the same meta (records per file too)."""
+    from moeflow.data import token_cache
+
+    rng = random.Random(1)
+    lines = [json.dumps({"text": sentence(rng), "id": i}) for i in range(900)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text("\n".join(lines[:400]) + "\n\n")
+    (tmp_path / "data" / "b.jsonl").write_text("\n".join(lines[400:]))  # no newline at the end
+    data = tmp_path / "data"
+    monkeypatch.setattr(token_cache, "_CHUNK_BYTES", 3000)  # about 50 records a chunk
+    assert len(token_cache._jsonl_chunks([str(p) for p in sorted(data.glob("*.jsonl"))])) > 10
+    folders = {n: prepare(_cfg(tmp_path / f"w{n}", data, f"--data.tokenize_workers={n}", tok=tok_dir)) for n in (1, 3)}
+    monkeypatch.setattr(token_cache, "_is_plain_jsonl", lambda src, encoder: False)
+    folders["datasets"] = prepare(_cfg(tmp_path / "datasets", data, tok=tok_dir))
+    names = ("tokens.bin", "offsets.bin", "doc_trained.bin")
+    want = {name: (folders["datasets"] / name).read_bytes() for name in names}
+    meta = json.loads((folders["datasets"] / "meta.json").read_text())
+    assert meta["source"]["counts"] == [400, 500]
+    for n in (1, 3):
+        assert {name: (folders[n] / name).read_bytes() for name in want} == want, n
+        assert json.loads((folders[n] / "meta.json").read_text()) == meta, n
+
+
 # ---------------------------------------------------------------------------------------------- packing
 
 
