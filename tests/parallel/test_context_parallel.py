@@ -24,6 +24,7 @@ def test_layout_is_the_documented_example():
         shard_sequence(torch.zeros(1, 12), 0, 4)
 
 
+@pytest.mark.slow  # 4 ranks (16 s): make test runs it; CI trains cp2 and cp2-ep2 in tests/parallel/test_layouts.py
 @pytest.mark.timeout(240)
 def test_world4_attention_and_models():
     cases = [(f"attention cp={cp} ({layout}) {kind}", cp_worker.case_attention, dict(layout=layout, kind=kind))

@@ -49,6 +49,7 @@ def test_dry_run_counts_match_the_planner(overrides, layout):
         assert got["params"] == pytest.approx(cfg.model.num_params() / WORLD, rel=0.01)
 
 
+@pytest.mark.slow  # 10 s: make test runs it; CI dry-runs the planner's Mixtral layouts (test_plan_dry_run.py)
 def test_dry_run_cli_at_1024_ranks():
     out = run_cli(["train", "--dry-run", "--world-size", "1024", "--model.name=deepseek-v3", "--parallel.ep=64",
                    "--data.seq_len=128", "--training.global_batch=1024", "--json"])
