@@ -137,8 +137,8 @@ class StreamingSampler:
                  global_batch: int, dp_rank: int = 0, dp_size: int = 1, held_out: int = 0, vocab_size: int = 0):
         check_batch_split(seq_len, global_batch, dp_rank, dp_size)
         self.open_documents, self.key, self.seq_len, self.global_batch = open_documents, key, seq_len, global_batch
-        self.dp_rank, self.local_batch, self.held_out, self.vocab_size = dp_rank, global_batch // dp_size, held_out, \
-            vocab_size
+        self.dp_rank, self.local_batch = dp_rank, global_batch // dp_size
+        self.held_out, self.vocab_size = held_out, vocab_size
         self.first_token = held_out * seq_len + 1 if held_out else 0  # of every epoch's training windows
         self.step, self.consumed, self.epoch = 0, 0, 0
         self._open(0, self.first_token)
@@ -150,14 +150,21 @@ class StreamingSampler:
 
     def held_out_tokens(self) -> np.ndarray:
         """The validation windows' tokens: the stream's first held_out * seq_len + 1 (read again from the start)."""
-        if not self.held_out:
-            return np.zeros(0, dtype=np.uint32)
-        need, parts = self.first_token, []
-        for _, ids in self.open_documents(0):
-            parts.append(ids[:need - sum(map(len, parts))])
-            if sum(map(len, parts)) >= need:
-                break
-        return np.concatenate(parts)
+        parts, have = [], 0
+        documents = self.open_documents(0)
+        try:
+            for _, ids in documents:
+                if have >= self.first_token:
+                    break
+                parts.append(ids[:self.first_token - have])
+                have += len(parts[-1])
+        finally:
+            documents.close()  # its worker processes end here, not when it is collected
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+
+    def close(self) -> None:
+        """End the reader (and its worker processes) of a sampler that will not be stepped."""
+        self._documents.close()
 
     def _open(self, record: int, skip: int) -> None:
         """Read from the start of `record` on; the next window starts `skip` tokens into it."""

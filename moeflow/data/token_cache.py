@@ -196,11 +196,11 @@ def encode_records(records: dict, start: int, encoder=None):
 
 
 def _encoded_batches(ds, encoder, workers: int):
-    """Each batch's encoded documents and its record count, in record order: in this process, or in `workers`
-    forked ones."""
+    """Each batch's encoded documents and its record count (the progress), in record order: in this process, or
+    in `workers` forked ones."""
     starts = range(0, len(ds), _BATCH)
     for encoded in _in_workers(_encode_batch, starts, workers, ds=ds, encoder=encoder):
-        yield encoded, _BATCH if len(encoded) != 2 else 0
+        yield encoded, len(encoded[1]) if len(encoded) == 4 else 0
 
 
 def _in_workers(fn, items, workers: int, **work):
@@ -317,7 +317,8 @@ def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, p
 
 
 def _write_tokens(src: RecordSource, encoder, out: Path, key: str, batches, total: int, unit: str, progress) -> dict:
-    """tokens.bin, trained.bin, offsets.bin and doc_trained.bin from (encoded batch, progress) pairs; the meta."""
+    """tokens.bin, trained.bin, offsets.bin and doc_trained.bin from (encoded batch, progress in `unit`) pairs;
+    the meta."""
     from tqdm import tqdm
 
     spec = src.spec
@@ -338,7 +339,7 @@ def _write_tokens(src: RecordSource, encoder, out: Path, key: str, batches, tota
             doc_trained.extend(trained_D.tolist())
             if len(ids_N):
                 counts["max_id"] = max(counts["max_id"], int(ids_N.max()))
-            bar.update(done if unit == "B" else len(lengths_D))
+            bar.update(done)
     records = len(offsets) - 1
     if records == 0:
         raise ValueError(f"data.source = {spec!r} holds no records; point it at a non-empty dataset")

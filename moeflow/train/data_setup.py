@@ -36,7 +36,7 @@ class Data:
     val: list
     summary: dict = field(default_factory=dict)  # what the run's summary reports about the data
     blend: list[BlendSource] | None = None  # data.blend's sources (train is then unused)
-    streamed: StreamingSampler | None = None  # data.streaming's one-process sampler (train is then unused)
+    streamed: StreamingSampler | None = None  # data.streaming's settings, as a closed one-process sampler
 
     def sampler(self, cfg: JobConfig, dp_rank: int, dp_size: int) -> BatchSampler | BlendSampler | StreamingSampler:
         t = cfg.training
@@ -206,6 +206,7 @@ def _streamed(cfg: JobConfig) -> Data:
     one = StreamingSampler(open_documents, key, d.seq_len, t.global_batch, held_out=cfg.eval.batches * t.global_batch,
                            vocab_size=cfg.model.vocab_size)
     val = val_batches(one.held_out_tokens(), d.seq_len, t.global_batch, cfg.eval.batches)
+    one.close()  # it checked the stream holds a training window; each rank's sampler reads its own
     return Data(None, val, {"format": "text", "streaming": True, "source": d.source}, streamed=one)
 
 

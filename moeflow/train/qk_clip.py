@@ -62,13 +62,14 @@ def clip(parts: list[nn.Module], tau: float, num_layers: int, num_heads: int, tp
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(best_LH, op=dist.ReduceOp.MAX)
     gamma_LH = torch.where(best_LH > tau, tau / best_LH, torch.ones_like(best_LH))
+    clipped_L = (gamma_LH < 1).any(dim=1).tolist()  # with the maxima below: the clip's two reads on the host
     for layer, module in modules.items():
-        if bool((gamma_LH[layer] < 1).any()):
+        if clipped_L[layer]:
             rows = gamma_LH[layer].repeat_interleave(module.head_dim)  # one scale per row of wq, head after head
             for p in (module.wq.weight, module.wq.bias):
                 if p is not None:
                     _scale_rows(p, rows)
-    return {layer: float(best_LH[layer].max()) for layer in range(num_layers)}
+    return dict(enumerate(best_LH.amax(dim=1).tolist()))
 
 
 def _scale_rows(p: torch.Tensor, rows: torch.Tensor) -> None:
