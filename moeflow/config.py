@@ -127,8 +127,8 @@ class TrainingConfig:
     muon_clip: float = 0.0
     """MuonClip (Kimi K2's qk-clip) with this threshold (K2: 100; 0 = off): after each step, an attention head whose
     largest logit q.k / sqrt(d) in the step exceeded it has its query projection scaled down so that it would not;
-    metrics.jsonl logs each layer's largest logit ('max_logit'). Grouped-query attention without q/k norms, under
-    every layout but context parallelism; costs an extra Q K^T per step."""
+    metrics.jsonl logs each layer's largest logit ('max_logit'). Grouped-query attention without q/k norms or MTP
+    blocks, under every layout but context parallelism; costs an extra Q K^T per step."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -485,6 +485,7 @@ class JobConfig:
         why = ("MLA splits each head in parts a per-head query scale does not bound" if m.attention == "mla" else
                f"model.qk_norm = {m.qk_norm!r} renormalises the queries a clip would scale" if m.qk_norm != "none"
                else "context parallelism splits the keys each head's largest logit needs" if self.parallel.cp > 1
+               else "the multi-token-prediction blocks' attention is not clipped yet" if m.mtp_depth
                else "compiled blocks do not record the logits" if t.compile else None)
         if why:
             raise ValueError(f"training.muon_clip = {t.muon_clip} for this run: {why}; drop training.muon_clip (Muon "

@@ -133,6 +133,7 @@ def test_layouts_train_the_one_process_clipped_run(tmp_path, names):
     ({"model.qk_norm": "per_head"}, r"model.qk_norm = 'per_head' renormalises the queries"),
     ({"model.name": "deepseek-v3"}, r"MLA splits each head in parts"),
     ({"training.muon_clip": -1.0}, r"training.muon_clip = -1.0; use a positive threshold"),
+    ({"model.mtp_depth": 1}, r"the multi-token-prediction blocks' attention is not clipped yet"),
 ])
 def test_bad_muon_clip_settings_are_one_line(changes, message):
     base = {"training.optimizer": "muon", "training.muon_clip": 100.0}
