@@ -8,19 +8,23 @@ model of the same weights, ep=2 on two gloo ranks of one machine.
 Cases, each `moeflow.parallelize(model, ParallelDims(2, ep=2))` (FSDP2 ZeRO-3 of the rest) and one AdamW step per
 repeat on the same batch of each rank:
 
-  qwen3_moe native        moeflow's Transformer loaded from the folder (model.hf_impl = 'native')
-  qwen3_moe transformers  transformers' Qwen3MoeForCausalLM, its experts through moeflow.ep
-                          (model.hf_impl = 'transformers')
-  gpt_oss transformers    transformers' GptOssForCausalLM (no native path: the architecture's own experts)
+  qwen3_moe native          moeflow's Transformer loaded from the folder (model.hf_impl = 'native')
+  qwen3_moe transformers    transformers' Qwen3MoeForCausalLM, its experts through moeflow.ep
+                            (model.hf_impl = 'transformers')
+  gpt_oss transformers      transformers' GptOssForCausalLM (no native path: the architecture's own experts)
+
+and the peer, transformers' own distributed training of the same folders:
+
+  qwen3_moe transformers-ep  from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2, ep_size=2)):
+  gpt_oss transformers-ep    transformers' expert plan (its all-to-all token dispatch) and FSDP2, a plain loop
+                             (forward, cross-entropy, backward, AdamW)
 
 Shapes (Qwen3-MoE's and gpt-oss's layouts at a CPU's size): hidden 256, 4 layers, 8 heads of 32 (2 kv heads), 16
 experts of width 256, top-4, vocabulary 2048, 4 x 256 tokens per rank, fp32, one thread per rank. The losses of
-the two qwen3_moe cases are compared first (same weights, same batch: equal to 1e-5). The cases interleave, one
-step each per repeat; reported: the slowest rank's median step, tokens/s of the slowest rank, each case's ratio
-to the native path, and each rank's peak resident memory.
-
-The peers the issue names (DeepSpeed's AutoEP, transformers' own `DistributedConfig(enable_expert_parallel=True)`)
-are not here yet.
+each architecture's cases are compared first (same weights, same batch: equal to 1e-5). The cases interleave,
+one step each per repeat; reported: the slowest rank's median step, tokens/s of the slowest rank, each case's ratio
+to the native path and to transformers' own expert parallelism of the same architecture, and each rank's peak
+resident memory (of the whole process, which holds every case).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-CASES = ["qwen3_moe native", "qwen3_moe transformers", "gpt_oss transformers"]
+CASES = ["qwen3_moe native", "qwen3_moe transformers", "qwen3_moe transformers-ep", "gpt_oss transformers",
+         "gpt_oss transformers-ep"]
 D, LAYERS, HEADS, KV, HD, E, K, F, V = 256, 4, 8, 2, 32, 16, 4, 256, 2048
 B, S = 4, 256
 
@@ -70,9 +75,12 @@ def make_folders(work: Path) -> dict[str, Path]:
 
 
 def _worker(rank: int, folders: dict, repeats: int, tmp: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     import torch
     import torch.distributed as dist
+    import torch.nn.functional as F
+    import transformers
+    from transformers.distributed import DistributedConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
@@ -80,20 +88,38 @@ def _worker(rank: int, folders: dict, repeats: int, tmp: str) -> None:
     from moeflow.models import hf_transformers
     from moeflow.models.hf import from_pretrained
 
-    models = {}
-    for case in CASES:
-        arch, impl = case.split()
-        model = from_pretrained(folders[arch])[0] if impl == "native" else hf_transformers.load(folders[arch])
-        state = moeflow.parallelize(model, moeflow.ParallelDims(2, ep=2))
-        models[case] = (state, torch.optim.AdamW(state.model.parameters(), lr=1e-4))
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     gen = torch.Generator().manual_seed(100 + rank)
     ids = torch.randint(0, V, (B, S + 1), generator=gen)
     inputs, targets = ids[:, :-1], ids[:, 1:]
 
+    def moeflow_step(state):
+        return lambda: state.runner.train_step(inputs, targets)
+
+    def transformers_step(model):
+        def step():
+            loss = F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1).float(), targets.flatten())
+            loss.backward()
+            return loss.detach()
+        return step
+
+    models = {}
+    for case in CASES:
+        arch, impl = case.split()
+        if impl == "transformers-ep":  # the peer: transformers' expert plan and FSDP2, its own loading
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                folders[arch], dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=2, ep_size=2))
+            models[case] = (transformers_step(model.train()), torch.optim.AdamW(model.parameters(), lr=1e-4))
+            continue
+        model = from_pretrained(folders[arch])[0] if impl == "native" else hf_transformers.load(folders[arch])
+        state = moeflow.parallelize(model, moeflow.ParallelDims(2, ep=2))
+        models[case] = (moeflow_step(state), torch.optim.AdamW(state.model.parameters(), lr=1e-4))
+
     def step(case: str) -> tuple[float, float]:
-        state, opt = models[case]
+        train_step, opt = models[case]
         t0 = time.perf_counter()
-        loss = state.runner.train_step(inputs, targets)
+        loss = train_step()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0, float(loss)
@@ -123,24 +149,34 @@ def main(argv=None) -> int:
         folders = make_folders(Path(tmp))
         mp.spawn(_worker, args=({k: str(v) for k, v in folders.items()}, repeats, tmp), nprocs=2, join=True)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
-    native, hf = (ranks[0]["first_loss"][c] for c in CASES[:2])
-    if abs(native - hf) > 1e-5 * abs(native):
-        raise SystemExit(f"the native and transformers paths disagree on the first loss: {native} vs {hf}")
+    first = {c: [r["first_loss"][c] for r in ranks] for c in CASES}  # each rank's own batch
+    for case in CASES:  # every case of an architecture starts from the same weights and batch
+        same = next(c for c in CASES if c.split()[0] == case.split()[0])
+        for got, want in zip(first[case], first[same]):
+            if abs(got - want) > 1e-5 * abs(want):
+                raise SystemExit(f"{case} disagrees with {same} on the first loss: {got} vs {want}")
     slowest = {c: max(r["median_s"][c] for r in ranks) for c in CASES}
     tokens = B * S
+
+    def peer(case: str) -> str:
+        return f"{case.split()[0]} transformers-ep"
+
     rows = [{"case": c, "step_ms": 1e3 * slowest[c], "tokens_per_s": tokens / slowest[c],
-             "vs_native": slowest[CASES[0]] / slowest[c], "peak_rss_mb": [r["peak_rss_mb"] for r in ranks]}
-            for c in CASES]
+             "vs_native": slowest[CASES[0]] / slowest[c] if c.startswith("qwen3_moe") else None,
+             "vs_transformers_ep": slowest[peer(c)] / slowest[c],
+             "peak_rss_mb": [r["peak_rss_mb"] for r in ranks]} for c in CASES]
     print(f"\nep=2 on 2 gloo ranks, {tokens} tokens per rank, medians of {repeats} interleaved steps; first losses "
-          f"native {native:.6f}, transformers {hf:.6f}\n")
-    print(f"{'case':<24} {'step ms':>9} {'tokens/s':>9} {'speed vs native':>16}")
+          f"(rank 0) {', '.join(f'{c} {v[0]:.6f}' for c, v in first.items())}\n")
+    print(f"{'case':<26} {'step ms':>9} {'tokens/s':>9} {'vs native':>10} {'vs transformers-ep':>19}")
     for row in rows:
-        print(f"{row['case']:<24} {row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} {row['vs_native']:>16.2f}")
+        native = f"{row['vs_native']:.2f}" if row["vs_native"] else "-"
+        print(f"{row['case']:<26} {row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} {native:>10} "
+              f"{row['vs_transformers_ep']:>19.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, "tokens_per_rank": tokens,
             "shape": dict(D=D, layers=LAYERS, heads=HEADS, experts=E, top_k=K, expert_width=F, vocab=V),
-            "first_loss": {"native": native, "transformers": hf}}
+            "first_loss": {c: v[0] for c, v in first.items()}}
     (out / "hf_ep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     _plot(rows, out / "hf_ep.png")
     print(f"\nwrote {out / 'hf_ep.json'} and hf_ep.png")

@@ -203,14 +203,17 @@ def hf_ep() -> str:
     r = _load("hf_ep")
     meta, rows = r["meta"], r["rows"]
     by = {row["case"]: row for row in rows}
-    native, hf = by["qwen3_moe native"], by["qwen3_moe transformers"]
+    native, hf, oss = by["qwen3_moe native"], by["qwen3_moe transformers"], by["gpt_oss transformers"]
+    peer, oss_peer = by["qwen3_moe transformers-ep"], by["gpt_oss transformers-ep"]
     return _wrap(f"Speed (`bench/hf_ep.py`, `bench/results/hf_ep.json`: ep=2 on 2 gloo ranks, "
                  f"{meta['tokens_per_rank']} tokens per rank, fp32, medians of {meta['repeats']} interleaved AdamW "
                  f"steps, same weights and first loss): a Qwen3-MoE trains at {hf['tokens_per_s']:,.0f} tokens/s on "
-                 f"transformers' modules against {native['tokens_per_s']:,.0f} on moeflow's own model "
-                 f"({hf['vs_native']:.2f}x), a gpt-oss of the same size at "
-                 f"{by['gpt_oss transformers']['tokens_per_s']:,.0f}: the native path stays the fast path where it "
-                 f"maps the architecture.")
+                 f"transformers' modules under moeflow against {native['tokens_per_s']:,.0f} on moeflow's own model "
+                 f"({hf['vs_native']:.2f}x) and {peer['tokens_per_s']:,.0f} under transformers' own expert "
+                 f"parallelism (`DistributedConfig(fsdp_size=2, ep_size=2)`; moeflow's native path "
+                 f"{native['vs_transformers_ep']:.2f}x, its transformers path {hf['vs_transformers_ep']:.2f}x of "
+                 f"it); a gpt-oss of the same size at {oss['tokens_per_s']:,.0f} under moeflow against "
+                 f"{oss_peer['tokens_per_s']:,.0f} under transformers' own ({oss['vs_transformers_ep']:.2f}x).")
 
 
 def lora() -> str:

@@ -170,16 +170,14 @@ class ParallelDims:
 
     def _check_transformers_model(self, cfg: ModelConfig) -> None:
         """What transformers' own modules (model.hf_impl = 'transformers') cannot take yet, named before any rank
-        starts (parallelize's adapter checks the same of a model object)."""
+        starts (parallelize's adapter checks the same of a model object; JobConfig.layout checks tensor
+        parallelism's plan against the architecture's modules)."""
         instead = ("model.hf_impl = 'native' where moeflow maps the architecture (core/hf_arch.py), or use ep and "
                    "data parallelism")
         for name, size, what in (("pp", self.pp, "pipeline"), ("cp", self.cp, "context")):
             if size > 1:
                 raise ValueError(f"parallel.{name} = {size} for {cfg.hf_path} on transformers' own modules: {what} "
                                  f"parallelism needs moeflow's model; use {instead}")
-        if self.tp > 1 and cfg.is_moe:
-            raise ValueError(f"parallel.tp = {self.tp} for {cfg.hf_path} on transformers' own modules: tensor "
-                             f"parallelism of its experts modules is not supported yet; use {instead}")
 
     def _check_tp_widths(self, cfg: ModelConfig) -> None:
         """tp divides the widths tensor parallelism shards: heads, kv heads and the dense FFN width (MoE layers
@@ -202,6 +200,10 @@ class ParallelDims:
                 f"data.seq_len ({seq_len}) must be divisible by 2 x parallel.cp (= {2 * self.cp}): each sequence is "
                 f"cut into 2 x cp equal chunks; use data.seq_len = {max(1, seq_len // (2 * self.cp)) * 2 * self.cp}"
             )
+        if self.cp == 1 and seq_len % self.tp:
+            raise ValueError(f"data.seq_len ({seq_len}) must be divisible by parallel.tp ({self.tp}) with sequence "
+                             f"parallelism (each tp rank keeps S / tp positions between the blocks); use data.seq_len "
+                             f"= {max(1, seq_len // self.tp) * self.tp}")
         if self.cp > 1 and self.tp > 1 and (seq_len // self.cp) % self.tp:
             raise ValueError(
                 f"data.seq_len / parallel.cp ({seq_len} / {self.cp} = {seq_len // self.cp} tokens per rank) must be "

@@ -175,17 +175,16 @@ class HuggingFaceAdapter(ModelAdapter):
         if dims.ep > 1 and not (self.has_moe or self.has_hf_experts):
             raise ValueError(f"parallel.ep = {dims.ep} but {name} has no experts module (neither transformers' "
                              f"experts interface nor a moeflow MoE layer); use ep = 1")
-        if dims.ep > 1 and self.has_hf_experts and not self.has_moe:
+        ranks = dims.expert_parallel  # ep, or ep x tp with the MoE folded over tp
+        if ranks > 1 and self.has_hf_experts and not self.has_moe:
             from moeflow.parallel.hf_experts import hf_experts_modules
 
-            counts = sorted({m.num_experts for m in hf_experts_modules(self.model) if m.num_experts % dims.ep})
+            counts = sorted({m.num_experts for m in hf_experts_modules(self.model) if m.num_experts % ranks})
             if counts:
-                raise ValueError(f"parallel.ep = {dims.ep} does not divide the {counts[0]} experts of {name}; "
-                                 f"choose an ep that divides {counts[0]}")
-        if dims.tp > 1 and self.has_hf_experts and not self.has_moe:
-            raise ValueError(f"parallel.tp = {dims.tp} for {name}'s own experts modules is not supported yet; use "
-                             f"tp = 1 with ep and data parallelism, or moeflow's model where it maps the architecture "
-                             f"(model.hf_impl = 'native', or moeflow.models.hf_live.replace_sparse_moe_blocks)")
+                over = f"parallel.ep = {dims.ep}" if ranks == dims.ep else \
+                    f"parallel.ep x tp = {dims.ep} x {dims.tp} (the MoE folded over tp)"
+                raise ValueError(f"{over} does not divide the {counts[0]} experts of {name}; choose sizes whose "
+                                 f"product divides {counts[0]}")
         if dims.tp > 1:
             self.check_tp_widths(dims.tp)
 

@@ -25,11 +25,13 @@ from moeflow.core.schedules import SCHEDULES
 from moeflow.models.moe import GroupedExperts, MoE
 from moeflow.parallel.adapter import ModelAdapter, adapter_for
 from moeflow.parallel.fp8 import apply_fp8
+from moeflow.parallel.hf_experts import is_expert_parallel_hf
 from moeflow.parallel.loss import tp_loss
 from moeflow.parallel.options import ParallelOptions
 from moeflow.parallel.recompute import apply_activation_checkpointing
 from moeflow.parallel.runner import LocalRunner, MTPObjective, local_token_scale
 from moeflow.parallel.state import ParallelState
+from moeflow.parallel.tensor import ffn_of
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions | None = None) -> ParallelState:
@@ -174,6 +176,16 @@ def fsdp(b: _Build) -> None:
             b.state.tp_distinct += list(moe.experts.parameters())
             b.state.tp_partial += [p for name, p in moe.named_parameters()
                                    if not name.startswith(("experts.", "shared_experts."))]
+        # transformers' sparse MoE blocks: their experts are spread over ep x tp like moeflow's; everything else
+        # in the block (router, shared experts and their gate) sees only this tp rank's tokens and stays
+        # replicated over tp, so its gradient is summed over tp after backward.
+        for block in b.blocks().values():
+            _, ffn = ffn_of(block, b.adapter.names) or (None, None)
+            spread = [m for m in ffn.modules() if is_expert_parallel_hf(m)] if ffn is not None else []
+            experts = {id(p) for m in spread for p in m.parameters()}
+            b.state.tp_distinct += [p for m in spread for p in m.parameters()]
+            if spread:
+                b.state.tp_partial += [p for p in ffn.parameters() if id(p) not in experts]
 
 
 def runner(b: _Build) -> None:

@@ -224,9 +224,9 @@ def _rowwise_to_sequence() -> ParallelStyle:
     return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
 
 
-def _layer_patterns(prefix: str, layers: dict[str, nn.Module], kind_of) -> dict[str, list[str]]:
+def _layer_patterns(prefix: str, layers: dict[str, nn.Module], kind_of) -> dict:
     """{kind: [pattern of the layers of that kind]}: one 'prefix.*' when all layers share a kind."""
-    kinds: dict[str, list[str]] = {}
+    kinds: dict = {}
     for name, layer in layers.items():
         kinds.setdefault(kind_of(layer), []).append(name)
     if len(kinds) == 1:
@@ -235,10 +235,21 @@ def _layer_patterns(prefix: str, layers: dict[str, nn.Module], kind_of) -> dict[
 
 
 def _is_moe(module: nn.Module) -> bool:
-    """A moeflow MoE, or any wrapper of one (e.g. the block that replaces an HF sparse MoE)."""
+    """A moeflow MoE, or any wrapper of one (e.g. the block that replaces an HF sparse MoE), or a transformers
+    sparse MoE block (its experts module is transformers' experts interface: moeflow.parallel.hf_experts)."""
     from moeflow.models.moe import Router
+    from moeflow.parallel.hf_experts import is_hf_experts
 
-    return any(isinstance(m, Router) for m in module.modules())
+    return any(isinstance(m, Router) or is_hf_experts(m) for m in module.modules())
+
+
+def ffn_of(block: nn.Module, names) -> tuple[str, nn.Module] | None:
+    """(name, module) of a block's FFN: its `names.ffn` child, else the child holding an MoE (transformers names
+    some sparse MoE blocks otherwise: granitemoe's block_sparse_moe); None when it has neither."""
+    ffn = getattr(block, names.ffn, None)
+    if ffn is not None:
+        return names.ffn, ffn
+    return next(((name, child) for name, child in block.named_children() if _is_moe(child)), None)
 
 
 def _moe_style(fold_experts: bool) -> ParallelStyle:
@@ -253,6 +264,95 @@ def _attention_gather(names) -> ParallelStyle:
         return _gather_sequence(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
     return _gather_sequence(input_kwarg_layouts={names.attention_input: Shard(1)},
                             desired_input_kwarg_layouts={names.attention_input: Replicate()})
+
+
+class HeadShardedParameters(ParallelStyle):
+    """Parameters with one row per query head (gpt-oss's attention sinks [H]) sharded over tp as the heads are:
+    tp rank r holds the rows of its heads [r H/tp, (r+1) H/tp). The module's own forward reads the attribute as a
+    plain tensor, so during its forward the attribute is this rank's local rows (a view whose gradient flows back
+    to the DTensor parameter)."""
+
+    def __init__(self, names: tuple[str, ...]):
+        super().__init__()
+        self.names = tuple(names)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        names = [name for name in self.names if module._parameters.get(name) is not None]  # not every layer's
+        for name in names:
+            param = module._parameters[name]
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), device_mesh, [Shard(0)]),
+                                                         requires_grad=param.requires_grad))
+
+        def local_rows(mod, args, kwargs):
+            for name in names:  # an instance attribute is found before nn.Module's parameter lookup
+                object.__setattr__(mod, name, mod._parameters[name].to_local())
+
+        def parameters_again(mod, args, kwargs, output):
+            for name in names:
+                mod.__dict__.pop(name, None)
+
+        module.register_forward_pre_hook(local_rows, with_kwargs=True)
+        module.register_forward_hook(parameters_again, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"HeadShardedParameters({self.names})"
+
+
+class Styles(ParallelStyle):
+    """Several styles on one module, applied in order (a plan holds one style per module pattern)."""
+
+    def __init__(self, *styles: ParallelStyle):
+        super().__init__()
+        self.styles = styles
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for style in self.styles:
+            module = style._apply(module, device_mesh)
+        return module
+
+    def __repr__(self) -> str:
+        return f"Styles{self.styles}"
+
+
+def _attention_parts(model: nn.Module, layers: dict[str, nn.Module], names) -> tuple[str, ...]:
+    """Check that the plan places every part of every layer's attention: q/k/v/o projections, q/k norms, and
+    parameters of the attention's own with one row per query head (gpt-oss's sinks), whose names it returns (they
+    follow the heads onto their tp ranks). ValueError naming the first part it cannot place."""
+    config = getattr(model, "config", None)  # a transformers config (moeflow's attention has no own parameters)
+    heads = config.get_text_config().num_attention_heads if hasattr(config, "get_text_config") else None
+    projections = (names.q, names.k, names.v, names.o)
+    per_head: dict[str, None] = {}
+    for key, block in layers.items():
+        attention = getattr(block, names.attention, None)
+        if attention is None or not all(hasattr(attention, p) for p in projections):
+            which = (f"layer {key}'s is {type(attention).__name__}" if attention is not None else
+                     f"layer {key} has none (its parts: {', '.join(n for n, _ in block.named_children())})")
+            raise ValueError(f"{type(model).__name__}: an attention without {'/'.join(projections)} has no built-in "
+                             f"tensor-parallel plan; {which}; {HOW_TO_PASS_A_PLAN}")
+        for name, child in attention.named_children():
+            if name not in (*projections, "q_norm", "k_norm") and any(True for _ in child.parameters()):
+                raise ValueError(f"{type(model).__name__}: an attention submodule the built-in tensor-parallel plan "
+                                 f"does not place; layer {key}'s {names.attention}.{name} ({type(child).__name__}); "
+                                 f"{HOW_TO_PASS_A_PLAN}")
+        for name, p in attention.named_parameters(recurse=False):
+            if heads is None or p.ndim == 0 or p.shape[0] != heads:
+                raise ValueError(f"{type(model).__name__}: an attention parameter that is neither a projection's nor "
+                                 f"one row per head; layer {key}'s {name} {tuple(p.shape)}; {HOW_TO_PASS_A_PLAN}")
+            per_head[name] = None
+    return tuple(per_head)
+
+
+def _block_norms(layers: dict[str, nn.Module], names) -> list[str]:
+    """The names of the blocks' own norms: the pre-norms, and the post or sandwich norms some architectures add
+    (children other than the attention and the FFN whose class is a norm). Each runs on this rank's sequence
+    slice (SequenceParallel)."""
+    found: dict[str, None] = {}
+    for block in layers.values():
+        for name, child in block.named_children():
+            if name not in (names.attention, names.ffn) and "norm" in type(child).__name__.lower():
+                found[name] = None
+    return list(found)
 
 
 def _qk_norm_style(attention: nn.Module, names) -> ParallelStyle | None:
@@ -280,49 +380,48 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
     if adapter.is_mla:  # no plan for latent attention's low-rank projections yet
         raise ValueError(MLA_TP_UNSUPPORTED)
     layers = {str(k): block for k, block in adapter.blocks().items() if not str(k).startswith("mtp.")}
-    for key, block in layers.items():
-        attention = getattr(block, names.attention, None)
-        if attention is None or not all(hasattr(attention, p) for p in (names.q, names.k, names.v, names.o)):
-            raise ValueError(f"{type(model).__name__}: layer {key} has no {names.attention}.{names.q}/{names.k}/"
-                             f"{names.v}/{names.o}; no built-in tensor-parallel plan; {HOW_TO_PASS_A_PLAN}")
+    head_parameters = _attention_parts(model, layers, names)
     block, attn = f"{names.layers}.*", f"{names.layers}.*.{names.attention}"
+    gather = _attention_gather(names)
     plan: dict[str, ParallelStyle] = {}
     if _module(model, names.embedding) is not None:
         plan[names.embedding] = _embedding_style()
+    plan.update({f"{block}.{norm}": SequenceParallel() for norm in _block_norms(layers, names)})
     plan.update({
-        f"{block}.{names.attention_norm}": SequenceParallel(),
-        attn: _attention_gather(names),
+        attn: Styles(gather, HeadShardedParameters(head_parameters)) if head_parameters else gather,
         f"{attn}.{names.q}": ColwiseParallel(),
         f"{attn}.{names.k}": ColwiseParallel(),
         f"{attn}.{names.v}": ColwiseParallel(),
         f"{attn}.{names.o}": _rowwise_to_sequence(),
-        f"{block}.{names.ffn_norm}": SequenceParallel(),
     })
     qk_norm = _qk_norm_style(getattr(next(iter(layers.values())), names.attention), names)
     if qk_norm is not None:
         plan[f"{attn}.q_norm"] = plan[f"{attn}.k_norm"] = qk_norm
 
     def ffn_kind(layer):
-        ffn = getattr(layer, names.ffn, None)
+        name, ffn = ffn_of(layer, names) or (names.ffn, None)
         if ffn is not None and _is_moe(ffn):
-            return "moe"
+            return "moe", name
         if ffn is not None and all(hasattr(ffn, p) for p in (names.gate, names.up, names.down)):
-            return "dense"
-        return "unknown"
+            return "dense", name
+        return "unknown", name
 
     by_kind = _layer_patterns(names.layers, layers, ffn_kind)
-    if "unknown" in by_kind:
-        raise ValueError(f"{type(model).__name__}: layers {by_kind['unknown'][:4]} have a {names.ffn} that is neither "
-                         f"{names.gate}/{names.up}/{names.down} nor a moeflow MoE (use "
-                         f"moeflow.models.hf_live.replace_sparse_moe_blocks for HF MoE blocks); {HOW_TO_PASS_A_PLAN}")
-    for pattern in by_kind.get("moe", []):
-        plan[f"{pattern}.{names.ffn}"] = _moe_style(fold_experts)
-    for pattern in by_kind.get("dense", []):
-        ffn = f"{pattern}.{names.ffn}"
-        plan[ffn] = _gather_sequence(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan[f"{ffn}.{names.gate}"] = ColwiseParallel()
-        plan[f"{ffn}.{names.up}"] = ColwiseParallel()
-        plan[f"{ffn}.{names.down}"] = _rowwise_to_sequence()
+    unknown = [pattern for (kind, _), patterns in by_kind.items() if kind == "unknown" for pattern in patterns]
+    if unknown:
+        raise ValueError(f"{type(model).__name__}: an FFN that is neither a {names.gate}/{names.up}/{names.down} MLP "
+                         f"nor an MoE block with a moeflow router or transformers' experts interface has no "
+                         f"built-in tensor-parallel plan; layers {unknown[:4]}; {HOW_TO_PASS_A_PLAN}")
+    for (kind, name), patterns in by_kind.items():
+        for pattern in patterns:
+            ffn = f"{pattern}.{name}"
+            if kind == "moe":
+                plan[ffn] = _moe_style(fold_experts)
+                continue
+            plan[ffn] = _gather_sequence(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan[f"{ffn}.{names.gate}"] = ColwiseParallel()
+            plan[f"{ffn}.{names.up}"] = ColwiseParallel()
+            plan[f"{ffn}.{names.down}"] = _rowwise_to_sequence()
     if _module(model, names.final_norm) is not None:
         plan[names.final_norm] = SequenceParallel()
     has_embedding, has_head = _module(model, names.embedding) is not None, _module(model, names.head) is not None
@@ -368,7 +467,7 @@ def _pattern_matches(pattern: str, fqn: str) -> bool:
     return len(tokens) == len(names) and all(fnmatch(n, t) for t, n in zip(tokens, names))
 
 
-def _check_plan_covers(model: nn.Module, plan: dict[str, ParallelStyle]) -> None:
+def check_plan_covers(model: nn.Module, plan: dict[str, ParallelStyle]) -> None:
     """Every Linear / Embedding matched by a pattern (or inside a ReplicatedModule / LocalTokens); every pattern
     matches."""
     modules = dict(model.named_modules())
@@ -389,8 +488,8 @@ def _check_plan_covers(model: nn.Module, plan: dict[str, ParallelStyle]) -> None
         uncovered.append(fqn)
     if uncovered:
         raise ValueError(
-            f"tensor parallelism: {len(uncovered)} Linear/Embedding modules are not in the plan: {uncovered[:5]}"
-            f"{' ...' if len(uncovered) > 5 else ''}; left alone they would mix plain and sharded tensors. "
+            f"a Linear or Embedding the tensor-parallel plan does not place would mix plain and sharded tensors; "
+            f"{len(uncovered)} are left: {uncovered[:5]}{' ...' if len(uncovered) > 5 else ''}. "
             f"{HOW_TO_PASS_A_PLAN[0].upper()}{HOW_TO_PASS_A_PLAN[1:]}; ReplicatedModule() runs a whole module "
             f"unsharded on every tp rank"
         )
@@ -431,9 +530,11 @@ def _broadcast_replicated(model: nn.Module, tp_mesh) -> None:
     ones (src_data_rank=0): replicated compute is only correct if the replicas start equal. Not the experts of an
     MoE layer that expert parallelism already spread over the tp ranks: each rank holds other experts."""
     from moeflow.models.moe import MoE
+    from moeflow.parallel.hf_experts import is_expert_parallel_hf
 
     group = tp_mesh.get_group()
     own = {id(p) for m in model.modules() if isinstance(m, MoE) and _spread(m) for p in m.experts.parameters()}
+    own |= {id(p) for m in model.modules() if is_expert_parallel_hf(m) for p in m.parameters()}
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in own:
             continue
@@ -505,7 +606,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict[str, ParallelSty
     tp = tp_mesh.size()
     if plan is None:
         plan = tp_plan(model, loss_parallel=loss_parallel, fold_experts=fold_experts)
-    _check_plan_covers(model, plan)
+    check_plan_covers(model, plan)
     ties = _tied_parameters(model)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, plan)

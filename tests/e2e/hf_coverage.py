@@ -16,7 +16,10 @@ own modules (model.hf_impl = 'transformers'):
   generate    `moeflow generate`'s greedy tokens on the run directory equal transformers' generate on the export
   native      moeflow's own model (model.hf_impl = 'native') gives transformers' logits, where it maps the
               architecture; else the one-line reason
-  tp=2, pp=2  the one-line refusal moeflow gives before any rank starts (or a check, once supported)
+  tp=2        tensor and sequence parallelism with the MoE folded over tp (its experts spread over the 2 ranks):
+              the same check as dp=2 where moeflow takes the layout, else its one-line refusal (given before any
+              rank starts)
+  pp=2        the one-line refusal moeflow gives before any rank starts (or a check, once supported)
 
 Each cell is "ok" or the reason it is not; a mismatch is a failure, never a cell. Relative tolerance REL on
 every comparison (fp32; the summation order differs between layouts, nothing else).
@@ -40,10 +43,11 @@ CAPABILITIES = ("ep=2", "dp=2", "export", "generate", "native", "tp=2", "pp=2")
 
 
 def _loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (tp_loss: also over vocab-sharded logits under tensor parallelism)."""
     from moeflow.models.hf_transformers import logits
+    from moeflow.parallel.loss import tp_loss
 
-    out = logits(model, ids[:, :-1])
-    return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), ids[:, 1:].flatten())
+    return tp_loss(logits(model, ids[:, :-1]), ids[:, 1:])
 
 
 def _close(got: float, want: float, what: str) -> None:
@@ -62,11 +66,13 @@ def _train_parallel(ref: torch.nn.Module, dims, batches: list[torch.Tensor]):
     par = state.model
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     opt_par = torch.optim.AdamW(par.parameters(), lr=1e-3, weight_decay=0.1)
-    rows = batches[0].shape[0] // world  # this rank's rows of each batch
+    # the tp ranks of one data-parallel rank share its rows (tp is the mesh's innermost dim); each then holds the
+    # same loss, so the mean over all ranks is the mean over the data-parallel ones
+    dp_rank, rows = rank // dims.tp, batches[0].shape[0] // (world // dims.tp)
     for step, ids in enumerate(batches):
         ref_loss = _loss(ref, ids)
         ref_loss.backward()
-        par_loss = _loss(par, ids[rank * rows:(rank + 1) * rows])
+        par_loss = _loss(par, ids[dp_rank * rows:(dp_rank + 1) * rows])
         par_loss.backward()
         mean = par_loss.detach().clone()
         dist.all_reduce(mean)
@@ -132,6 +138,8 @@ def cover(arch: str, work: Path) -> dict[str, str]:
         raise AssertionError(failure[0])
     # the refusals name the folder; the table names the architecture
     cells["tp=2"] = _refusal(folder, tp=2).replace(str(folder), arch)
+    if cells["tp=2"] == "ok":  # taken: it must train as one process does (the MoE folded over tp)
+        _train_parallel(copy.deepcopy(ref), moeflow.ParallelDims(2, tp=2, zero=3), batches)
     cells["pp=2"] = _refusal(folder, pp=2).replace(str(folder), arch)
     return cells
 

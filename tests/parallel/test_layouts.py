@@ -178,11 +178,12 @@ def _assert_matches_one_process(name: str, run_dir, reference) -> None:
     params = _final_params(run_dir, _cfg(run_dir))
     for key, want in ref_params.items():
         # Relative in norm, per tensor: AdamW divides by sqrt(v) + 1e-8, so an element whose gradient is
-        # ~0 (an embedding row seen once) turns a 1e-7 summation-order difference into a visible one:
-        # under tp=2 one element of 4096 in an expert's w2 moved 9e-6 (1.6e-5 of the tensor's norm) on
-        # this machine's stdlib corpus. A wrong slice or scale moves whole tensors by ~the update (1e-3).
+        # ~0 (an embedding row seen once) turns a 1e-7 summation-order difference into a visible one: under
+        # tp=2 one element of 4096 in an expert's w2 moved 9e-6 (1.6e-5 of the tensor's norm) on one CPU, and
+        # zero1-tp2's shared-expert w2 6.9e-5 on another (how many such elements flip depends on the CPU's
+        # rounding). A wrong slice or scale moves whole tensors by ~the update (1e-3): 2e-4 keeps a 5x margin.
         err = float((params[key] - want).norm() / want.norm().clamp(min=1e-12))
-        assert err < 5e-5, (name, key, err)
+        assert err < 2e-4, (name, key, err)
     if name in PLANNED:  # the planner's per-rank state within 5% of what training held
         held = json.loads((run_dir / "summary.json").read_text())["state_bytes_per_rank"]
         sizes = PLANNED[name]

@@ -36,6 +36,10 @@ def test_world2_tp2():
         ("tp=1 dim of a mesh", tp_worker.case_tp1_noop, {}),
         ("HF Llama through moeflow.parallelize, tp=2", tp_worker.case_hf_parallelize, dict(arch="llama", tp=2)),
         ("HF Qwen3-MoE through moeflow.parallelize, ep=2", tp_worker.case_hf_parallelize, dict(arch="qwen3_moe", ep=2)),
+        ("HF gpt-oss (its own experts, sinks) through moeflow.parallelize, tp=2, MoE folded over tp",
+         tp_worker.case_hf_parallelize, dict(arch="gpt_oss", tp=2)),
+        ("HF gpt-oss through moeflow.parallelize, tp=2, MoE whole on each tp rank", tp_worker.case_hf_parallelize,
+         dict(arch="gpt_oss", tp=2, ep_over_tp=False)),
         ("parallelize adds no attributes, world 2", tp_worker.case_parallelize_adds_no_attributes, {}),
     ]
     check_results(tp_worker.launch(2, cases), cases)
@@ -51,5 +55,9 @@ def test_world4_tp2_with_fsdp2_and_ep():
         ("tiny MoE, tp=2 x ep=2", tp_worker.case_tp_with_ep, {}),
         ("HF Qwen3-MoE through moeflow.parallelize, tp=2 x ep=2", tp_worker.case_hf_parallelize,
          dict(arch="qwen3_moe", tp=2, ep=2)),
+        ("HF gpt-oss (its own experts) through moeflow.parallelize, tp=2 x ep=2", tp_worker.case_hf_parallelize,
+         dict(arch="gpt_oss", tp=2, ep=2)),
+        ("HF gpt-oss through moeflow.parallelize, tp=2 x ep=2, MoE whole on each tp rank",
+         tp_worker.case_hf_parallelize, dict(arch="gpt_oss", tp=2, ep=2, ep_over_tp=False)),
     ]
     check_results(tp_worker.launch(4, cases), cases)

@@ -91,6 +91,11 @@ def hf_model(arch: str):
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=8)
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "gpt_oss":  # transformers' own experts modules (interleaved gate/up, biases), attention sinks
+        cfg = transformers.GptOssConfig(**{**common, "attn_implementation": "eager"}, head_dim=8, num_local_experts=4,
+                                        num_experts_per_tok=2, sliding_window=4,
+                                        layer_types=["sliding_attention", "full_attention"])
+        cls = transformers.GptOssForCausalLM
     else:  # Qwen3-MoE, its sparse blocks replaced by moeflow's MoE
         cfg = transformers.Qwen3MoeConfig(**common, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                           moe_intermediate_size=16, output_router_logits=False)
@@ -325,17 +330,21 @@ def case_hf(arch: str):
     compare_training(ref, par, tokens, targets, mesh)
 
 
-def case_hf_parallelize(arch: str, tp: int = 1, ep: int = 1, steps: int = 3):
-    """moeflow.parallelize on a Hugging Face model object (Qwen3-MoE with moeflow MoE blocks gains EP) vs
-    the same model unparallelized: losses, global gradient norm and parameters after AdamW steps. With
-    ep > 1 each rank holds E/ep experts, compared with the reference's slice."""
+def case_hf_parallelize(arch: str, tp: int = 1, ep: int = 1, ep_over_tp: bool = True, steps: int = 3):
+    """moeflow.parallelize on a Hugging Face model object (Qwen3-MoE with moeflow MoE blocks, or gpt-oss with
+    transformers' own experts modules) vs the same model unparallelized: losses, global gradient norm and
+    parameters after AdamW steps. With experts spread (ep > 1, or tp > 1 with the MoE folded over tp) each rank
+    holds a slice of them, compared with the reference's slice."""
     import moeflow
     from moeflow.parallel.grads import clip_grad_norm_
+    from moeflow.parallel.hf_experts import hf_expert_slices
     from moeflow.parallel.loss import tp_loss
 
     ref = hf_model(arch)
-    state = moeflow.parallelize(copy.deepcopy(ref), moeflow.ParallelDims(dist.get_world_size(), tp=tp, ep=ep))
+    state = moeflow.parallelize(copy.deepcopy(ref), moeflow.ParallelDims(dist.get_world_size(), tp=tp, ep=ep,
+                                                                         ep_over_tp=ep_over_tp))
     par = state.model
+    hf_slices = hf_expert_slices(par)  # {fqn: (first expert here, experts here)} of transformers' experts
     dp, dp_rank = state.dims.dp, dist.get_rank() // tp  # mesh order (..., ep, tp): tp is innermost
     tokens, targets = batch(64, B=4)
     share = tokens.shape[0] // dp
@@ -363,6 +372,9 @@ def case_hf_parallelize(arch: str, tp: int = 1, ep: int = 1, steps: int = 3):
         if owner in experts:
             first = experts[owner].expert_offset
             want = want[first:first + experts[owner].num_experts]
+        if name in hf_slices:
+            first, count = hf_slices[name]
+            want = want[first:first + count]
         assert_rel(f"{name} after {steps} AdamW steps", p, want)
 
 
@@ -426,10 +438,14 @@ def case_bad_inputs():
     _expect(lambda: moeflow.parallelize(hf_model("llama"), ParallelDims(world, cp=2)),
             "parallel.cp = 2 for a LlamaForCausalLM",
             "moeflow.models.hf.from_pretrained")
-    # a Linear no pattern covers
+    # a Linear no pattern covers, in a block or in its attention
+    model = moeflow_model("dense")
+    model.layers["1"].gate = nn.Linear(32, 4)
+    _expect(lambda: apply_tensor_parallel(model, mesh), "['layers.1.gate']", "tp_plan=", "does not place")
     model = moeflow_model("dense")
     model.layers["1"].attention.gate = nn.Linear(32, 4)
-    _expect(lambda: apply_tensor_parallel(model, mesh), "layers.1.attention.gate", "tp_plan=", "not in the plan")
+    _expect(lambda: apply_tensor_parallel(model, mesh), "layer 1's attention.gate (Linear)", "tp_plan=",
+            "an attention submodule the built-in tensor-parallel plan does not place")
     # a pattern that matches nothing (typo)
     model = moeflow_model("dense")
     plan = {**tp_plan(model), "layers.*.atention.wq": ColwiseParallel()}

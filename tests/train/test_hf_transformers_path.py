@@ -69,8 +69,8 @@ def test_the_run_is_transformers_model_from_its_first_loss(folder, tmp_path):
 
 
 def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_path):
-    """ep=2 (FSDP2 over the same ranks), dp=2 ZeRO-3, ep=2 with every block recomputed, and ep=2 stopped at step 2
-    then resumed in one process:
+    """ep=2 (FSDP2 over the same ranks), dp=2 ZeRO-3, ep=2 with every block recomputed, tp=2 (the MoE folded over
+    tp, the attention sinks sharded with their heads), and ep=2 stopped at step 2 then resumed in one process:
     every step's loss and gradient norm equal the one-process run's; then the export loads in transformers with
     `moeflow eval`'s loss, and `moeflow generate` gives transformers' greedy tokens."""
     from moeflow.cli import main as cli_main
@@ -83,6 +83,7 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
                          ("ep2-recompute", argv("ep2-recompute", **{"parallel.ep": 2,
                                                                     "training.activation_checkpointing": "full"}),
                           str(tmp_path / "ep2-recompute"), False),
+                         ("tp2", argv("tp2", **{"parallel.tp": 2}), str(tmp_path / "tp2"), False),
                          ("stop", argv("stop", **{"parallel.ep": 2, "training.stop_at": 2}), str(tmp_path / "stop"),
                           False)])
     assert set(results.values()) == {"ok"}, results
@@ -111,7 +112,8 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
     ({"parallel.pp": 2}, r"parallel.pp = 2 for .* on transformers' own modules: pipeline parallelism needs "
                          r"moeflow's model; use model.hf_impl = 'native'"),
     ({"parallel.cp": 2}, r"parallel.cp = 2 .* context parallelism needs moeflow's model"),
-    ({"parallel.tp": 2}, r"parallel.tp = 2 .* tensor parallelism of its experts modules is not supported yet"),
+    ({"parallel.tp": 2}, None),  # taken: the MoE folded over tp
+    ({"parallel.tp": 2, "data.seq_len": 15}, r"data.seq_len \(15\) must be divisible by parallel.tp \(2\)"),
     ({"training.fp8": "tensorwise"}, r"training.fp8 = 'tensorwise' for .* on transformers' own modules"),
     ({"parallel.ep": 2}, None),  # taken
     ({"parallel.ep": 2, "training.compile": True}, r"training.compile with parallel.ep = 2 on transformers' own"),
@@ -119,6 +121,23 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
 ])
 def test_what_is_not_supported_is_one_line_before_any_rank(folder, tmp_path, changes, message):
     assert_one_line(lambda: load_config(None, _overrides(folder, tmp_path / "r", **changes)).layout(2), message)
+
+
+def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_path):
+    """Latent attention and a Mamba mixer have no q/k/v/o projections for the plan: each refused before any rank,
+    found from the architecture's modules on the meta device."""
+    from tests.support.hf_tiny import tiny_model
+
+    for arch, why in (("deepseek_v2", "multi-head latent attention"),
+                      ("jamba", "an attention without q_proj/k_proj/v_proj/o_proj has no built-in tensor-parallel "
+                                "plan; layer 1 has none")):
+        folder = tmp_path / arch
+        tiny_model(arch, seed=0).save_pretrained(folder)
+        data = folder / "tokens.bin"
+        np.random.default_rng(0).integers(0, V, 2000).astype(np.uint16).tofile(data)
+        overrides = {**_overrides(folder, tmp_path / "r"), "parallel.tp": 2}
+        assert_one_line(lambda o=overrides: load_config(None, o).layout(2),
+                        rf"parallel.tp = 2 for \w+ForCausalLM on transformers' own modules: .*{why}")
 
 
 def test_folders_transformers_cannot_train_are_named(folder, tmp_path):
