@@ -562,8 +562,8 @@ class JobConfig:
         dims = ParallelDims(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
                             zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp, cp=p.cp)
         dims.check_model(self.model)
-        if self.model.runs_transformers and dims.tp > 1:
-            self._check_transformers_tp(dims)
+        if self.model.runs_transformers and (dims.tp > 1 or dims.pp > 1):
+            self._check_transformers_layout(dims)
         dims.check_sequence(self.data.seq_len)
         if self.profile.enabled and max(self.profiled_ranks() or [0]) >= world_size:
             raise ValueError(f"profile.ranks = {self.profile.ranks!r} names a rank past the {world_size} ranks of "
@@ -581,22 +581,24 @@ class JobConfig:
         return dims, dims.split_batch(t.global_batch, t.micro_batch, p.pp_microbatches)
 
 
-    def _check_transformers_tp(self, dims: ParallelDims) -> None:
-        """Tensor parallelism of transformers' own modules: the built-in plan places every module of this
-        architecture (checked on the meta device: nothing is read)."""
+    def _check_transformers_layout(self, dims: ParallelDims) -> None:
+        """Tensor and pipeline parallelism of transformers' own modules: the built-in plan places every module of
+        this architecture, and its model splits into stages (checked on the meta device: nothing is read)."""
         from moeflow.models.hf_transformers import architecture_of, load
         from moeflow.parallel.adapter import adapter_for
         from moeflow.parallel.tensor import check_plan_covers, tp_plan
 
         model = load(self.model.hf_path, "meta")
+        setting = " x ".join(f"parallel.{k} = {v}" for k, v in (("tp", dims.tp), ("pp", dims.pp)) if v > 1)
         try:
             adapter_for(model).check(dims)
-            # the built-in plan places every module (a run passes no plan of its own)
-            check_plan_covers(model, tp_plan(model, fold_experts=dims.fold_experts))
+            if dims.tp > 1:  # the built-in plan places every module (a run passes no plan of its own)
+                check_plan_covers(model, tp_plan(model, fold_experts=dims.fold_experts))
         except ValueError as e:
             why = str(e).removeprefix(f"{type(model).__name__}: ")  # the line names the architecture already
-            raise ValueError(f"parallel.tp = {dims.tp} for {architecture_of(self.model.hf_path)} on transformers' own "
-                             f"modules: {why}; use tp = 1 with ep and data parallelism") from None
+            instead = "" if "; use " in why else "; use ep and data parallelism instead"
+            raise ValueError(f"{setting} for {architecture_of(self.model.hf_path)} on transformers' own modules: "
+                             f"{why}{instead}") from None
 
 
 # ---- field docs, keys, types ------------------------------------------------------------------

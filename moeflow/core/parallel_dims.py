@@ -170,14 +170,13 @@ class ParallelDims:
 
     def _check_transformers_model(self, cfg: ModelConfig) -> None:
         """What transformers' own modules (model.hf_impl = 'transformers') cannot take yet, named before any rank
-        starts (parallelize's adapter checks the same of a model object; JobConfig.layout checks tensor
-        parallelism's plan against the architecture's modules)."""
+        starts (parallelize's adapter checks the same of a model object; JobConfig.layout checks tensor and
+        pipeline parallelism against the architecture's modules)."""
         instead = ("model.hf_impl = 'native' where moeflow maps the architecture (core/hf_arch.py), or use ep and "
                    "data parallelism")
-        for name, size, what in (("pp", self.pp, "pipeline"), ("cp", self.cp, "context")):
-            if size > 1:
-                raise ValueError(f"parallel.{name} = {size} for {cfg.hf_path} on transformers' own modules: {what} "
-                                 f"parallelism needs moeflow's model; use {instead}")
+        if self.cp > 1:
+            raise ValueError(f"parallel.cp = {self.cp} for {cfg.hf_path} on transformers' own modules: context "
+                             f"parallelism needs moeflow's model; use {instead}")
 
     def _check_tp_widths(self, cfg: ModelConfig) -> None:
         """tp divides the widths tensor parallelism shards: heads, kv heads and the dense FFN width (MoE layers

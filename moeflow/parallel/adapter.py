@@ -150,6 +150,7 @@ class HuggingFaceAdapter(ModelAdapter):
 
     family = "huggingface"
     names = HF_NAMES
+    supports_pp = True  # one stage per rank (moeflow.parallel.hf_pipeline)
 
     @property
     def hf_config(self):
@@ -161,7 +162,10 @@ class HuggingFaceAdapter(ModelAdapter):
         return bool(getattr(self.hf_config, "kv_lora_rank", None))
 
     def blocks(self) -> dict[str, nn.Module]:
-        return {str(i): block for i, block in enumerate(self.model.model.layers)}
+        from moeflow.parallel.hf_pipeline import is_skipped
+
+        # a pipeline stage holds its own layers; the others' are parameterless placeholders
+        return {str(i): block for i, block in enumerate(self.model.model.layers) if not is_skipped(block)}
 
     @staticmethod
     def logits(model: nn.Module, inputs, **model_kwargs):
@@ -172,6 +176,16 @@ class HuggingFaceAdapter(ModelAdapter):
     def check(self, dims: ParallelDims) -> None:
         super().check(dims)
         name = type(self.model).__name__
+        if dims.pp > 1:
+            from moeflow.parallel.hf_pipeline import hf_pipeline_refusal
+
+            why = hf_pipeline_refusal(self.model, dims.pp_schedule)
+            if why:
+                raise ValueError(why)
+            if dims.tp > 1:
+                raise ValueError(f"parallel.tp = {dims.tp} with parallel.pp = {dims.pp} for {name}: tensor and "
+                                 f"pipeline parallelism together are supported for moeflow models only yet; use one "
+                                 f"of them (with ep and data parallelism)")
         if dims.ep > 1 and not (self.has_moe or self.has_hf_experts):
             raise ValueError(f"parallel.ep = {dims.ep} but {name} has no experts module (neither transformers' "
                              f"experts interface nor a moeflow MoE layer); use ep = 1")

@@ -7,10 +7,10 @@ around that call (ergo: a learned RMSNorm per expert on each route's output).
 
 moeflow takes the whole experts module's forward as the unit, as transformers' own expert parallelism does (its
 `ep_dispatch_experts`): it sends each token once to every rank owning one of its experts (moeflow.ep.Buffer.dispatch),
-runs the module's own forward on the rows that arrived for this rank's E / R experts, with local expert ids (L, one
-past them, for a slot whose expert is elsewhere), and sums each token's copies back (Buffer.combine). Inside, the
-interface call runs transformers' grouped-matmul experts function, which skips the slots of experts held elsewhere; so
-biases, interleaved or transposed weights, custom gates and per-expert norms stay the architecture's. Every tensor of
+runs the module's own forward on the (row, slot) pairs that arrived for this rank's E / R experts, one slot per
+pair with its local expert id, sums each row's pairs, and sums each token's copies back (Buffer.combine). Inside, the
+interface call runs transformers' grouped-matmul experts function on those pairs; so biases, interleaved or
+transposed weights, custom gates and per-expert norms stay the architecture's. Every tensor of
 an experts module holds one row per expert (FSDP shards the whole module over the expert mesh): each rank keeps its
 rows. The router, shared experts and everything else stay transformers' modules, replicated; their gradients are
 this rank's tokens' share, which data parallelism sums.
@@ -31,8 +31,7 @@ from moeflow.ep.buffer import Buffer
 # the expert tensors transformers' experts functions read; an experts module may hold more, all per expert
 # (ergo's post_expert_norm.weight): expert_tensor_names
 EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
-# the experts function the module's interface call runs under expert parallelism: it skips the slots of experts on
-# other ranks (`_is_expert_parallel`)
+# the experts function the module's interface call runs under expert parallelism (on this rank's pairs only)
 LOCAL_EXPERTS_IMPLEMENTATION = "grouped_mm"
 
 # experts module -> (its Buffer, E, first global expert held here): kept beside the module, which gains no
@@ -78,9 +77,9 @@ def apply_hf_expert_parallel(model: nn.Module, group=None, backend: str = "auto"
 
     Each module keeps its parameter names; its class becomes a subclass whose forward moves the tokens around the
     module's own (no attribute is added). Its tensors become this rank's rows [r * L, (r+1) * L), `num_experts`
-    becomes L, and `_is_expert_parallel` tells transformers' grouped-matmul function to skip the slots of experts on
-    other ranks. ValueError, before anything changes, when E does not split over the ranks or a tensor is not one row
-    per expert."""
+    becomes L; no slot of another rank's expert reaches the module's own forward, so transformers' sentinel
+    handling (`_is_expert_parallel`) stays off. ValueError, before anything changes, when E does not split over
+    the ranks or a tensor is not one row per expert."""
     modules = hf_experts_modules(model)
     if not modules:
         return 0
@@ -103,7 +102,6 @@ def apply_hf_expert_parallel(model: nn.Module, group=None, backend: str = "auto"
                 setattr(holder, name, nn.Parameter(full.detach()[r * L:(r + 1) * L].clone(),
                                                    requires_grad=full.requires_grad))
         module.num_experts = L
-        module._is_expert_parallel = True
         module.config._experts_implementation = LOCAL_EXPERTS_IMPLEMENTATION
         module.__class__ = _expert_parallel_class(type(module))
         _EXPERT_PARALLEL[module] = (buffer, E, r * L)
@@ -121,12 +119,18 @@ class _ExpertParallel:
         buffer, E, _ = _EXPERT_PARALLEL[self]
         per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(top_k_index, E)
         # Buffer takes float32 weights (DeepEP's format); back to the router's dtype on arrival
-        recv_x_ND, recv_idx_NK, recv_w_NK, _, handle, _ = buffer.dispatch(
+        recv_x_ND, recv_idx_NK, recv_w_NK, recv_per_expert, handle, _ = buffer.dispatch(
             hidden_states, topk_idx=top_k_index, topk_weights=top_k_weights.float(), num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-        # -1 (an expert on another rank) becomes L, the sentinel transformers' function skips under expert parallelism
-        local_idx_NK = torch.where(recv_idx_NK >= 0, recv_idx_NK, self.num_experts)
-        y_ND = super().forward(recv_x_ND, local_idx_NK, recv_w_NK.to(top_k_weights.dtype))
+        # A received row carries all K slots of its token, -1 where the expert is on another rank (about
+        # (R - 1) / R of them). The module's own forward runs on the P (row, slot) pairs of this rank's experts
+        # alone, one slot each, so that its gathers, activation and weighting skip the other ranks' slots (the
+        # sentinel slots transformers' function would carry through all of them); each row sums its pairs after.
+        P = sum(recv_per_expert)  # known on the host from the dispatch: no device sync to size the pairs
+        row_P, slot_P = torch.nonzero_static(recv_idx_NK >= 0, size=P).unbind(1)
+        y_PD = super().forward(recv_x_ND[row_P], recv_idx_NK[row_P, slot_P, None],
+                               recv_w_NK[row_P, slot_P, None].to(top_k_weights.dtype))
+        y_ND = y_PD.new_zeros(recv_x_ND.shape).index_add_(0, row_P, y_PD)
         y_TD, _, _ = buffer.combine(y_ND.to(hidden_states.dtype), handle)
         return y_TD
 

@@ -83,11 +83,13 @@ def split_pipeline(b: _Build) -> None:
     """This rank keeps its stages' layers (parameter names stay those of the full model). First: every later step
     wraps or shards only what this rank holds."""
     if b.dims.pp > 1:
+        from moeflow.parallel.hf_pipeline import build_hf_stage_modules
         from moeflow.parallel.mesh import submesh
         from moeflow.parallel.pipeline import build_stage_modules
 
-        b.stages = build_stage_modules(b.model, submesh(b.state.mesh, "pp").get_local_rank(), b.dims.pp,
-                                       b.dims.pp_schedule, b.options.pp_boundaries)
+        split = build_hf_stage_modules if b.adapter.family == "huggingface" else build_stage_modules
+        b.stages = split(b.model, submesh(b.state.mesh, "pp").get_local_rank(), b.dims.pp, b.dims.pp_schedule,
+                         b.options.pp_boundaries)
 
 
 def expert_parallel(b: _Build) -> None:

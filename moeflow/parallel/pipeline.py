@@ -212,7 +212,8 @@ class PipelineRunner:
         self.autocast = autocast  # covers the whole schedule step
         self.objective = scaled_loss.loss_fn if isinstance(scaled_loss.loss_fn, MTPObjective) else None
         self.balanced = global_batch_routers({i: r for s in stages for i, r in s.routers.items()})
-        self.counts_first = pipeline_counts_first(stages[0].submod.cfg)  # the same on every pp rank
+        cfg = getattr(stages[0].submod, "cfg", None)  # a transformers model's routers are its own: no counting
+        self.counts_first = cfg is not None and pipeline_counts_first(cfg)  # the same on every pp rank
         why = pipeline_refusal(schedule_name, SCHEDULES[schedule_name].placement == "v", dist.get_backend(pp_group),
                                self.objective.depth if self.objective else 0, self.counts_first)
         if why:
@@ -347,16 +348,26 @@ def _static_shapes(module, index: int, num_stages: int, device, microbatch_shape
         return {}
     B, S, *rest = microbatch_shape
     logits_dtype = rest[0] if rest else torch.float32  # bf16 under autocast; the residual stream stays fp32
-    cfg = module.cfg
+    dim, vocab, mtp_depth = _stage_sizes(module)
     first, last = index == 0, index == num_stages - 1
-    hidden = lambda: torch.empty(B, S, cfg.dim, device=device, requires_grad=True)  # noqa: E731 (gradients flow back)
+    hidden = lambda: torch.empty(B, S, dim, device=device, requires_grad=True)  # noqa: E731 (gradients flow back)
     # with MTP every boundary carries (hidden, token embeddings), and the head's stage appends the MTP logits
-    carried = (hidden(), hidden()) if cfg.mtp_depth else (hidden(),)
+    carried = (hidden(), hidden()) if mtp_depth else (hidden(),)
     inputs = (torch.zeros(B, S, dtype=torch.long, device=device),) if first else carried
-    positions = sum(S - k for k in range(cfg.mtp_depth + 1))
-    outputs = ((torch.empty(B, positions, cfg.vocab_size, device=device, dtype=logits_dtype, requires_grad=True),)
+    positions = sum(S - k for k in range(mtp_depth + 1))
+    outputs = ((torch.empty(B, positions, vocab, device=device, dtype=logits_dtype, requires_grad=True),)
                if last else carried)
     return {"input_args": inputs, "output_args": outputs}
+
+
+def _stage_sizes(module: nn.Module) -> tuple[int, int, int]:
+    """(hidden width, vocabulary, MTP depth) of a stage: a moeflow Transformer's config, or a transformers model's
+    (moeflow.parallel.hf_pipeline)."""
+    cfg = getattr(module, "cfg", None)
+    if cfg is not None:
+        return cfg.dim, cfg.vocab_size, cfg.mtp_depth
+    text = module.config.get_text_config()
+    return text.hidden_size, text.vocab_size, 0
 
 
 def build_schedule(

@@ -350,7 +350,7 @@ def _block_norms(layers: dict[str, nn.Module], names) -> list[str]:
     found: dict[str, None] = {}
     for block in layers.values():
         for name, child in block.named_children():
-            if name not in (names.attention, names.ffn) and "norm" in type(child).__name__.lower():
+            if name not in (names.attention, names.ffn) and type(child).__name__.lower().endswith("norm"):
                 found[name] = None
     return list(found)
 

@@ -19,7 +19,8 @@ own modules (model.hf_impl = 'transformers'):
   tp=2        tensor and sequence parallelism with the MoE folded over tp (its experts spread over the 2 ranks):
               the same check as dp=2 where moeflow takes the layout, else its one-line refusal (given before any
               rank starts)
-  pp=2        the one-line refusal moeflow gives before any rank starts (or a check, once supported)
+  pp=2        two pipeline stages (GPipe, 2 micro-batches): the same check as dp=2 where moeflow takes the layout,
+              else its one-line refusal
 
 Each cell is "ok" or the reason it is not; a mismatch is a failure, never a cell. Relative tolerance REL on
 every comparison (fp32; the summation order differs between layouts, nothing else).
@@ -140,8 +141,31 @@ def cover(arch: str, work: Path) -> dict[str, str]:
     cells["tp=2"] = _refusal(folder, tp=2).replace(str(folder), arch)
     if cells["tp=2"] == "ok":  # taken: it must train as one process does (the MoE folded over tp)
         _train_parallel(copy.deepcopy(ref), moeflow.ParallelDims(2, tp=2, zero=3), batches)
-    cells["pp=2"] = _refusal(folder, pp=2).replace(str(folder), arch)
+    cells["pp=2"] = _refusal(folder, pp=2, pp_schedule="GPipe").replace(str(folder), arch)
+    if cells["pp=2"] == "ok":  # taken: two stages (a layer each at least) train as one process does
+        _train_pipeline(copy.deepcopy(ref), moeflow.ParallelDims(2, pp=2, pp_schedule="GPipe"), batches)
     return cells
+
+
+def _train_pipeline(ref: torch.nn.Module, dims, batches: list[torch.Tensor]) -> None:
+    """STEPS AdamW steps of `ref`'s pipeline stages (each rank its own, both on the whole batch, in 2
+    micro-batches), each step's loss and gradient norm checked against `ref` trained in this process."""
+    import moeflow
+    from moeflow.parallel.grads import clip_grad_norm_
+
+    state = moeflow.parallelize(copy.deepcopy(ref), dims, moeflow.ParallelOptions(microbatches=2))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    opt_par = torch.optim.AdamW(state.model.parameters(), lr=1e-3, weight_decay=0.1)
+    for step, ids in enumerate(batches):
+        ref_loss = _loss(ref, ids)
+        ref_loss.backward()
+        loss = state.runner.train_step(ids[:, :-1], ids[:, 1:])
+        _close(float(loss), ref_loss.item(), f"pipeline loss at step {step}")
+        want = torch.stack([p.grad.pow(2).sum() for p in ref.parameters() if p.grad is not None]).sum().sqrt()
+        _close(float(clip_grad_norm_(state.model, float("inf"), state)), float(want), f"grad norm at step {step}")
+        for opt in (opt_ref, opt_par):
+            opt.step()
+            opt.zero_grad()
 
 
 def _save_run(model, optimizer, folder: Path, run: Path) -> None:

@@ -70,7 +70,8 @@ def test_the_run_is_transformers_model_from_its_first_loss(folder, tmp_path):
 
 def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_path):
     """ep=2 (FSDP2 over the same ranks), dp=2 ZeRO-3, ep=2 with every block recomputed, tp=2 (the MoE folded over
-    tp, the attention sinks sharded with their heads), and ep=2 stopped at step 2 then resumed in one process:
+    tp, the attention sinks sharded with their heads), pp=2 (a layer per stage), and ep=2 stopped at step 2 then
+    resumed in one process:
     every step's loss and gradient norm equal the one-process run's; then the export loads in transformers with
     `moeflow eval`'s loss, and `moeflow generate` gives transformers' greedy tokens."""
     from moeflow.cli import main as cli_main
@@ -84,6 +85,7 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
                                                                     "training.activation_checkpointing": "full"}),
                           str(tmp_path / "ep2-recompute"), False),
                          ("tp2", argv("tp2", **{"parallel.tp": 2}), str(tmp_path / "tp2"), False),
+                         ("pp2", argv("pp2", **{"parallel.pp": 2}), str(tmp_path / "pp2"), False),
                          ("stop", argv("stop", **{"parallel.ep": 2, "training.stop_at": 2}), str(tmp_path / "stop"),
                           False)])
     assert set(results.values()) == {"ok"}, results
@@ -109,8 +111,7 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"parallel.pp": 2}, r"parallel.pp = 2 for .* on transformers' own modules: pipeline parallelism needs "
-                         r"moeflow's model; use model.hf_impl = 'native'"),
+    ({"parallel.pp": 2}, None),  # taken: one stage per rank
     ({"parallel.cp": 2}, r"parallel.cp = 2 .* context parallelism needs moeflow's model"),
     ({"parallel.tp": 2}, None),  # taken: the MoE folded over tp
     ({"parallel.tp": 2, "data.seq_len": 15}, r"data.seq_len \(15\) must be divisible by parallel.tp \(2\)"),
@@ -140,6 +141,26 @@ def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_p
                         rf"parallel.tp = 2 for \w+ForCausalLM on transformers' own modules: .*{why}")
 
 
+def test_pipeline_splits_it_cannot_make_are_named(folder):
+    """Several stages per rank, tied embeddings, and state a layer hands the next: one line each."""
+    from moeflow.models.hf_transformers import load
+    from moeflow.parallel.hf_pipeline import hf_pipeline_refusal
+    from tests.support.hf_tiny import tiny_model
+
+    model = load(folder, "meta")
+    assert hf_pipeline_refusal(model, "1F1B") is None
+    assert hf_pipeline_refusal(model, "Interleaved1F1B") == (
+        "GptOssForCausalLM: transformers' modules run one pipeline stage per rank; parallel.pp_schedule = "
+        "'Interleaved1F1B' runs several: use 'GPipe' or '1F1B'")
+    tied = transformers.Qwen3MoeConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=8, num_experts=2, moe_intermediate_size=8,
+                                       tie_word_embeddings=True)
+    assert "tied embeddings would sit on two pipeline stages" in hf_pipeline_refusal(
+        transformers.AutoModelForCausalLM.from_config(tied), "GPipe")
+    assert "its loop reads `hidden_states, topk_indices` from each" in hf_pipeline_refusal(
+        tiny_model("glm_moe_dsa", seed=0), "GPipe")
+
+
 def test_folders_transformers_cannot_train_are_named(folder, tmp_path):
     t5 = tmp_path / "t5"
     transformers.T5Config(vocab_size=V, d_model=16, num_layers=1, num_heads=2, d_kv=8, d_ff=16).save_pretrained(t5)
@@ -156,11 +177,17 @@ def test_folders_transformers_cannot_train_are_named(folder, tmp_path):
 
 
 @pytest.mark.slow
-def test_ep2_by_dp2_on_four_ranks_trains_the_one_process_run(folder, tmp_path):
-    """ep=2 inside dp_shard=4 (each expert FSDP-sharded over the 2 ranks that hold it) on transformers' modules."""
+def test_four_rank_layouts_train_the_one_process_run(folder, tmp_path):
+    """On transformers' modules: ep=2 inside dp_shard=4 (each expert FSDP-sharded over the 2 ranks that hold it),
+    pp=2 x ep=2 (each stage's experts over its 2 ranks) and tp=2 x ep=2 (the MoE folded over ep x tp = 4 ranks)."""
     from tests.parallel.layout_worker import launch
 
     train(load_config(None, _overrides(folder, tmp_path / "one")), fresh=True, progress=False)
-    argv = [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / "ep2dp4", **{"parallel.ep": 2}).items()]
-    assert launch(4, [("ep2dp4", argv, str(tmp_path / "ep2dp4"), False)]) == {"ep2dp4": "ok"}
-    np.testing.assert_allclose(np.array(_steps(tmp_path / "ep2dp4")), np.array(_steps(tmp_path / "one")), rtol=REL)
+    runs = {"ep2dp4": {"parallel.ep": 2}, "pp2ep2": {"parallel.pp": 2, "parallel.ep": 2},
+            "tp2ep2": {"parallel.tp": 2, "parallel.ep": 2}}
+    cases = [(run, [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / run, **more).items()], str(tmp_path / run),
+              False) for run, more in runs.items()]
+    assert launch(4, cases) == {run: "ok" for run in runs}
+    for run in runs:
+        np.testing.assert_allclose(np.array(_steps(tmp_path / run)), np.array(_steps(tmp_path / "one")), rtol=REL,
+                                   err_msg=run)
