@@ -340,9 +340,6 @@ class JobConfig:
                 raise ValueError(f"parallel.ep = {self.parallel.ep} for {architecture_of(self.model.hf_path)}: its "
                                  f"experts are not transformers' experts interface, which moeflow's expert "
                                  f"parallelism plugs into; use ep = 1 (FSDP2 shards them with the rest)")
-            if t.compile:  # the token counts of a dispatch change every step; the experts interface path is eager
-                raise ValueError(f"training.compile with parallel.ep = {self.parallel.ep} on transformers' own "
-                                 f"modules is not supported yet; use training.compile = false, or ep = 1")
         if t.fp8 != "none" and self.model.runs_transformers:
             raise ValueError(f"training.fp8 = {t.fp8!r} for {self.model.hf_path} on transformers' own modules is "
                              f"not supported yet; use training.fp8 = 'none', or model.hf_impl = 'native' where moeflow "

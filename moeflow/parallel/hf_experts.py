@@ -112,6 +112,9 @@ class _ExpertParallel:
     """Mixed in before a transformers experts class by apply_hf_expert_parallel: the module's own forward runs on
     the rows moeflow.ep brings this rank."""
 
+    # communication and data-dependent sizes: eager inside a compiled block (a graph break), as moeflow's own
+    # token mover (moeflow.parallel.expert)
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """[T, D] in, [T, D] out, as the module's own forward in one process (sum over k of top_k_weights[:, k] *

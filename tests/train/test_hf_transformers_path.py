@@ -117,7 +117,7 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
     ({"parallel.tp": 2, "data.seq_len": 15}, r"data.seq_len \(15\) must be divisible by parallel.tp \(2\)"),
     ({"training.fp8": "tensorwise"}, r"training.fp8 = 'tensorwise' for .* on transformers' own modules"),
     ({"parallel.ep": 2}, None),  # taken
-    ({"parallel.ep": 2, "training.compile": True}, r"training.compile with parallel.ep = 2 on transformers' own"),
+    ({"parallel.ep": 2, "training.compile": True}, None),  # taken: the token mover runs eagerly in the blocks
     ({"model.hf_impl": "native"}, r"config.json describes \['GptOssForCausalLM'\], which moeflow cannot load"),
 ])
 def test_what_is_not_supported_is_one_line_before_any_rank(folder, tmp_path, changes, message):
@@ -174,6 +174,19 @@ def test_folders_transformers_cannot_train_are_named(folder, tmp_path):
     shards[-1].unlink()
     with pytest.raises(ValueError, match=rf"lists {shards[-1].name}, which is not in .*; copy the missing shard"):
         load_config(None, _overrides(sharded, tmp_path / "r"))
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_expert_parallelism_train_the_one_process_run(folder, tmp_path):
+    """training.compile with ep=2 on transformers' modules: each block compiled, the experts' token mover eager
+    inside it (a graph break), the one-process eager run's losses and gradient norms."""
+    from tests.parallel.layout_worker import launch
+
+    train(load_config(None, _overrides(folder, tmp_path / "one")), fresh=True, progress=False)
+    argv = [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / "ep2c", **{"parallel.ep": 2,
+                                                                              "training.compile": True}).items()]
+    assert launch(2, [("ep2c", argv, str(tmp_path / "ep2c"), False)]) == {"ep2c": "ok"}
+    np.testing.assert_allclose(np.array(_steps(tmp_path / "ep2c")), np.array(_steps(tmp_path / "one")), rtol=REL)
 
 
 @pytest.mark.slow
