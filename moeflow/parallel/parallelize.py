@@ -181,13 +181,12 @@ def fsdp(b: _Build) -> None:
         # transformers' sparse MoE blocks: their experts are spread over ep x tp like moeflow's; everything else
         # in the block (router, shared experts and their gate) sees only this tp rank's tokens and stays
         # replicated over tp, so its gradient is summed over tp after backward.
-        for block in b.blocks().values():
-            _, ffn = ffn_of(block, b.adapter.names) or (None, None)
-            spread = [m for m in ffn.modules() if is_expert_parallel_hf(m)] if ffn is not None else []
-            experts = {id(p) for m in spread for p in m.parameters()}
-            b.state.tp_distinct += [p for m in spread for p in m.parameters()]
-            if spread:
-                b.state.tp_partial += [p for p in ffn.parameters() if id(p) not in experts]
+        for _, ffn in filter(None, (ffn_of(block, b.adapter.names) for block in b.blocks().values())):
+            experts = [p for m in ffn.modules() if is_expert_parallel_hf(m) for p in m.parameters()]
+            if experts:
+                b.state.tp_distinct += experts
+                spread = {id(p) for p in experts}
+                b.state.tp_partial += [p for p in ffn.parameters() if id(p) not in spread]
 
 
 def runner(b: _Build) -> None:
