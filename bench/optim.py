@@ -53,7 +53,8 @@ def _worker(rank: int, world: int, layout: dict, repeats: int, tmp: str) -> None
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
         out = plain(*args, **kwargs)
-        calls["n"], calls["s"] = calls["n"] + 1, calls["s"] + time.perf_counter() - t0
+        # one call orthogonalises a matrix or a stack of them: count matrices
+        calls["n"], calls["s"] = calls["n"] + args[0].shape[:-2].numel(), calls["s"] + time.perf_counter() - t0
         return out
 
     muon_module.newton_schulz = timed
@@ -160,11 +161,24 @@ def main(argv=None) -> int:
               f" {ratio:>14.2f} {sent:>18}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, "tokens_per_rank": B * S}
+    meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, "tokens_per_rank": B * S,
+            **_flops()}
     (out / "optim.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     _plot(rows, out / "optim.png")
     print(f"\nwrote {out / 'optim.json'} and optim.png")
     return 0
+
+
+def _flops() -> dict:
+    """Newton-Schulz's FLOPs per step (a constant of the model) against the forward and backward of one rank's
+    tokens (which grow with the batch), both as moeflow plan counts them: the batch below which Muon's step cannot
+    come near AdamW's whatever the kernels."""
+    from moeflow.core.presets import PRESETS
+    from moeflow.plan.optimizer import layer_matrices, ns_flops
+
+    cfg = PRESETS["tiny-moe"]
+    ns = sum(n * ns_flops(r, c, steps=5) for layer in range(cfg.n_layers) for n, r, c, _ in layer_matrices(cfg, layer))
+    return {"ns_gflop_per_step": ns / 1e9, "train_gflop_per_token": cfg.flops_per_token(S) / 1e9}
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -15,7 +15,8 @@ learning rate (training.muon_adamw_lr, default training.lr).
 
 Sharded layouts (FSDP2, ZeRO-1, tp, efsdp): Newton-Schulz needs each whole matrix, so a sharded update is gathered
 on its mesh, each matrix is orthogonalised by one rank of it, and the results come back to the shards
-(`_orthogonalised`; docs/design.md, "Optimizers"; its cost per layout: moeflow.plan.optimizer).
+(`_orthogonalised`); the updates a rank holds whole are orthogonalised stacked by shape (`_LocalMatrices`).
+docs/design.md, "Optimizers"; its cost per layout: moeflow.plan.optimizer.
 """
 
 from __future__ import annotations
@@ -50,43 +51,72 @@ def muon_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Param
 
 def newton_schulz(update: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps: float = NS_EPS,
                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The orthogonalised [A, B] matrix, computed in `dtype` (bf16, as torch.optim.Muon)."""
+    """The orthogonalised [A, B] matrix, or each of a stack [N, A, B] (one batched chain of matmuls: a stack of
+    small matrices costs a fraction of one call per matrix), computed in `dtype` (bf16, as torch.optim.Muon)."""
     a, b, c = coefficients
     x = update.to(dtype)
-    tall = update.size(0) > update.size(1)
+    x = x.unsqueeze(0) if x.ndim == 2 else x
+    tall = x.size(-2) > x.size(-1)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    x = x.mT if tall else x
+    return x.squeeze(0) if update.ndim == 2 else x
 
 
 def _orthogonalised(update: torch.Tensor, steps: int, turn: int) -> tuple[torch.Tensor, int]:
-    """(NS of each matrix of `update`, laid out as `update`; the next turn). A sharded update (a DTensor: FSDP2,
-    TP) is gathered whole on every rank of its mesh; matrix i is orthogonalised by the mesh's rank turn + i (mod
-    its size) alone, the others contribute zeros, and a sum over the mesh's dims gives every rank every result,
-    which each cuts back to its shard. No matrix is orthogonalised twice."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    """(NS of each matrix of a sharded `update` (a DTensor: FSDP2, TP), laid out and sharded as `update`; the next
+    turn). The update is gathered whole on every rank of its mesh; matrix i is orthogonalised by the mesh's rank
+    turn + i (mod its size) alone (this rank's share in one batched call), the others contribute zeros, and a sum
+    over the mesh's dims gives every rank every result, which each cuts back to its shard. No matrix is
+    orthogonalised twice."""
+    from torch.distributed.tensor import distribute_tensor
 
-    whole = update.full_tensor() if isinstance(update, DTensor) else update
-    matrices = whole.unsqueeze(0) if whole.ndim == 2 else whole.flatten(0, -3)  # experts: E matrices
-    if not isinstance(update, DTensor) or update.device_mesh.size() == 1:
-        out = torch.stack([newton_schulz(m, steps) for m in matrices])
-    else:
-        mesh = update.device_mesh
-        me = mesh.mesh.flatten().tolist().index(torch.distributed.get_rank())
-        out = torch.zeros(matrices.shape, dtype=torch.bfloat16, device=matrices.device)
-        for i, m in enumerate(matrices):
-            if (turn + i) % mesh.size() == me:
-                out[i] = newton_schulz(m, steps)
+    mesh = update.device_mesh
+    matrices = update.full_tensor()
+    matrices = matrices.reshape(-1, *matrices.shape[-2:])  # experts: E matrices
+    me = mesh.mesh.flatten().tolist().index(torch.distributed.get_rank()) if mesh.size() > 1 else 0
+    mine = [i for i in range(len(matrices)) if (turn + i) % mesh.size() == me]
+    out = torch.zeros(matrices.shape, dtype=torch.bfloat16, device=matrices.device)
+    if mine:
+        out[mine] = newton_schulz(matrices[mine], steps)
+    if mesh.size() > 1:
         for dim in range(mesh.ndim):
             torch.distributed.all_reduce(out, group=mesh.get_group(dim))
-    out = out.view(whole.shape)
-    if isinstance(update, DTensor):
-        out = distribute_tensor(out, update.device_mesh, update.placements, src_data_rank=None)
+    out = distribute_tensor(out.view(update.shape), mesh, update.placements, src_data_rank=None)
     return out, turn + len(matrices)
+
+
+class _LocalMatrices:
+    """Updates this rank holds whole (one process, expert slices under ep), orthogonalised together: stacked by
+    matrix shape, one batched Newton-Schulz per shape (a model's many small matrices cost a fraction of one call
+    each). Flushed once `PENDING_BYTES` of updates wait, so the step's extra memory stays bounded."""
+
+    PENDING_BYTES = 64 * 2**20
+
+    def __init__(self, steps: int, apply):
+        self.steps, self.apply = steps, apply
+        self.pending: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self.bytes = 0
+
+    def add(self, p: nn.Parameter, update: torch.Tensor) -> None:
+        self.pending.append((p, update))
+        self.bytes += update.numel() * update.element_size()
+        if self.bytes >= self.PENDING_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        by_shape: dict[torch.Size, list[torch.Tensor]] = {}
+        for _, update in self.pending:
+            by_shape.setdefault(update.shape[-2:], []).append(update.reshape(-1, *update.shape[-2:]))
+        done = {shape: iter(newton_schulz(torch.cat(stack), self.steps).split([m.size(0) for m in stack]))
+                for shape, stack in by_shape.items()}
+        for p, update in self.pending:
+            self.apply(p, next(done[update.shape[-2:]]).view(update.shape))
+        self.pending, self.bytes = [], 0
 
 
 def adjusted_lr(lr: float, adjust: str, shape: torch.Size) -> float:
@@ -118,7 +148,15 @@ class Muon(torch.optim.Optimizer):
                 self._adamw_step(group)
 
     def _muon_step(self, group: dict) -> None:
+        from torch.distributed.tensor import DTensor
+
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+
+        def apply(p: nn.Parameter, ortho: torch.Tensor) -> None:
+            p.mul_(1 - lr * wd)
+            p.add_(ortho.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape[-2:]))
+
+        local = _LocalMatrices(group["ns_steps"], apply)
         turn = 0  # matrices orthogonalised so far this step: the owner of the next is turn mod the mesh's size
         for p in group["params"]:
             if p.grad is None:
@@ -129,9 +167,13 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)
             update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-            ortho, turn = _orthogonalised(update, group["ns_steps"], turn)
-            p.mul_(1 - lr * wd)
-            p.add_(ortho.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape[-2:]))
+            if isinstance(update, DTensor):
+                ortho, turn = _orthogonalised(update, group["ns_steps"], turn)
+                apply(p, ortho)
+            else:
+                local.add(p, update)
+                turn += update.shape[:-2].numel()
+        local.flush()
 
     def _adamw_step(self, group: dict) -> None:
         from torch.optim.adam import adam

@@ -48,6 +48,7 @@ def test_every_matrix_steps_as_torch_optim_muon_and_the_rest_as_adamw(nesterov, 
                 nesterov=nesterov, ns_steps=5, adjust_lr=adjust)
     ref_matrices = [torch.nn.Parameter(m.detach().clone()) for p in muon
                     for m in (p.unbind(0) if p.ndim == 3 else [p])]
+    start = [m.detach().clone() for m in ref_matrices]
     ref_rest = [torch.nn.Parameter(p.detach().clone()) for p in adamw]
     ref_muon = torch.optim.Muon(ref_matrices, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov,
                                 ns_steps=5, adjust_lr_fn=adjust)
@@ -68,8 +69,11 @@ def test_every_matrix_steps_as_torch_optim_muon_and_the_rest_as_adamw(nesterov, 
         ref_muon.step()
         ref_adamw.step()
     got = [m for p in muon for m in (p.unbind(0) if p.ndim == 3 else [p])]
-    for a, b in zip(got, ref_matrices):
-        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+    # moeflow stacks same-shaped matrices into one batched bf16 matmul chain, torch.optim.Muon multiplies each on
+    # its own: the kernels may round differently on another CPU, so each matrix's distance from the reference is
+    # held to 1% of how far it moved (one Newton-Schulz iteration fewer is 30%, a wrong matrix or scale more)
+    for a, b, a0 in zip(got, ref_matrices, start):
+        assert (a - b).norm() <= 0.01 * (b - a0).norm(), (a - b).norm() / (b - a0).norm()
     for a, b in zip(adamw, ref_rest):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
 
