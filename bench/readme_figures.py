@@ -337,10 +337,12 @@ def hf_coverage() -> str:
             reasons.append(short)
         return f"✗{reasons.index(short) + 1}"
 
-    ok = sum(all(row.get(c) == "ok" for c in ("ep=2", "dp=2", "export", "generate")) for row in cells.values())
+    ok = sum(all(row.get(c) == "ok" for c in ("ep=2", "read", "dp=2", "export", "generate"))
+             for row in cells.values())
     lines = [_wrap(f"`python -m tests.e2e.hf_coverage --out bench/results` (`bench/results/hf_coverage.json`, "
                    f"transformers {r['transformers']}): {len(cells)} architectures found, {ok} train under ep=2 "
-                   f"and dp=2 as one process, export and generate as transformers does."), "",
+                   f"and dp=2 as one process, are read rank-locally into ep=2 (each rank its own experts, through "
+                   f"transformers' checkpoint conversion), export and generate as transformers does."), "",
              "| architecture | " + " | ".join(caps) + " |", "|---|" + "---|" * len(caps)]
     for arch, row in sorted(cells.items()):
         lines.append(f"| {arch} | " + " | ".join(cell(row.get(c, "not run")) for c in caps) + " |")

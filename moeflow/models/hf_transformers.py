@@ -13,12 +13,14 @@ planner and the resume check); it builds nothing.
     resolve_impl(cfg, hf)       -> 'native' | 'transformers' for model.hf_impl (ValueError for what cannot train)
     describe(hf)                -> the ModelConfig of the model's sizes
     load(folder, device)        -> transformers' model, fp32 (on the meta device: no weights read)
+    load_empty(folder)          -> the same with its parameters on the meta device and its buffers computed
     logits(model, inputs, ...)  -> [B, S, V]: the forward the step runner calls
     GenerationModel(model, cfg) -> the interface moeflow generate / eval call (tokens -> logits, a KV cache)
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from pathlib import Path
@@ -175,13 +177,10 @@ def load(folder: str | Path, device: torch.device | str = "cpu") -> nn.Module:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()  # the trainer's bar is the one progress bar
     device = torch.device(device)
-    cls = causal_lm_class(read_config(folder))
     if device.type == "meta":
-        config = transformers.AutoConfig.from_pretrained(str(folder))
         with torch.device("meta"):
-            if cls is transformers.AutoModelForCausalLM:
-                return cls.from_config(config, dtype=torch.float32)
-            return cls(config).float()
+            return _build(folder)
+    cls = causal_lm_class(read_config(folder))
     try:
         model, info = cls.from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True)
     except (OSError, RuntimeError) as e:  # a missing shard, a size that disagrees with config.json
@@ -192,6 +191,43 @@ def load(folder: str | Path, device: torch.device | str = "cpu") -> nn.Module:
         raise ValueError(f"{folder}: the weights do not match config.json ({len(bad)} tensors missing or of "
                          f"another shape, e.g. {bad[0]}); is config.json the one the weights were saved with?")
     return model.to(device).train()
+
+
+def load_empty(folder: str | Path) -> nn.Module:
+    """transformers' model of `folder` with its parameters on the meta device (nothing allocated or initialised)
+    and its buffers as the modules compute them (rotary frequencies, never stored): what a rank parallelizes
+    before reading its own part of the weights (moeflow/train/hf_sharded_transformers.py)."""
+    with _parameters_on_meta():
+        return _build(folder)
+
+
+def _build(folder: str | Path) -> nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cls = causal_lm_class(read_config(folder))
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    if cls is transformers.AutoModelForCausalLM:
+        return cls.from_config(config, dtype=torch.float32).train()
+    return cls(config).float().train()
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Parameters registered inside go to the meta device as they are registered (so the modules' own
+    initialisation runs on nothing); buffers stay as computed."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def _tied_names(model: nn.Module) -> set[str]:

@@ -58,12 +58,12 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
     rank, then parallelized. On the meta device (dry runs) nothing is allocated or initialised."""
     t = cfg.training
     # Under any layout, Hugging Face weights go straight into each rank's shards (moeflow/train/hf_sharded.py).
-    native_hf = bool(cfg.model.hf_path) and not cfg.model.runs_transformers
-    owned_read = native_hf and device.type != "meta" and dims.world_size > 1
-    if cfg.model.runs_transformers:  # transformers' own modules, read whole on every rank, then sharded
+    owned_read = bool(cfg.model.hf_path) and device.type != "meta" and dims.world_size > 1
+    if cfg.model.runs_transformers:  # transformers' own modules (moeflow/train/hf_sharded_transformers.py)
         from moeflow.models import hf_transformers
 
-        model = hf_transformers.load(cfg.model.hf_path, device)
+        model = (hf_transformers.load_empty(cfg.model.hf_path) if owned_read
+                 else hf_transformers.load(cfg.model.hf_path, device))
     elif device.type == "meta" or owned_read:
         with torch.device("meta"):
             model = Transformer(cfg.model)
@@ -80,7 +80,11 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
         add_lora(model, cfg.peft)
     par = parallelize(model, dims, parallel_options(cfg, batch, dims, device))
     bytes_read = None
-    if owned_read:
+    if owned_read and cfg.model.runs_transformers:
+        from moeflow.train import hf_sharded_transformers
+
+        bytes_read = hf_sharded_transformers.load_owned(model, cfg.model.hf_path, device)
+    elif owned_read:
         from moeflow.train.hf_sharded import load_owned
 
         model.to_empty(device=device)

@@ -10,6 +10,9 @@ own modules (model.hf_impl = 'transformers'):
 
   ep=2        expert parallelism (each rank keeps half the experts; tokens travel through moeflow.ep) with
               FSDP2 ZeRO-3 of the rest: 2 AdamW steps give one process's losses and gradient norms
+  read        the saved folder read into that layout rank-locally (moeflow/train/hf_sharded_transformers.py,
+              through transformers' own checkpoint conversion): every tensor and buffer of each rank equals the
+              in-memory model's, parallelized; each rank reads less than the files hold (its half of the experts)
   dp=2        FSDP2 ZeRO-3 alone: the same
   export      the ep=2 run's checkpoint (experts one per key) -> `moeflow convert moeflow-to-hf` -> transformers'
               from_pretrained gives the trained one-process model's loss
@@ -40,7 +43,7 @@ import torch.distributed as dist
 REL = 1e-5
 STEPS = 2
 S = 12
-CAPABILITIES = ("ep=2", "dp=2", "export", "generate", "native", "tp=2", "pp=2")
+CAPABILITIES = ("ep=2", "read", "dp=2", "export", "generate", "native", "tp=2", "pp=2")
 
 
 def _loss(model, ids: torch.Tensor) -> torch.Tensor:
@@ -124,6 +127,8 @@ def cover(arch: str, work: Path) -> dict[str, str]:
     par, _, opt = _train_parallel(trained, moeflow.ParallelDims(2, ep=2, zero=3), batches)
     cells["ep=2"] = "ok"
 
+    cells["read"] = _read_owned(ref, folder, moeflow.ParallelDims(2, ep=2, zero=3))
+
     _save_run(par, opt, folder, run)
     # one process reads the whole checkpoint, as `moeflow convert` does; the peer waits (a failure here is
     # rank 0's alone, so it travels to the peer as a value rather than leaving it in a collective)
@@ -145,6 +150,33 @@ def cover(arch: str, work: Path) -> dict[str, str]:
     if cells["pp=2"] == "ok":  # taken: two stages (a layer each at least) train as one process does
         _train_pipeline(copy.deepcopy(ref), moeflow.ParallelDims(2, pp=2, pp_schedule="GPipe"), batches)
     return cells
+
+
+def _read_owned(ref: torch.nn.Module, folder: Path, dims) -> str:
+    """'ok' when each rank's rank-local read of `folder` equals `ref` parallelized, tensor for tensor (bit for bit:
+    the same values, copied), and read less than the files hold; a mismatch raises."""
+    from torch.distributed.tensor import DTensor
+
+    import moeflow
+    from moeflow.models import hf_transformers
+    from moeflow.train import hf_sharded_transformers
+
+    whole = moeflow.parallelize(copy.deepcopy(ref), dims).model
+    owned = hf_transformers.load_empty(folder)
+    moeflow.parallelize(owned, dims)
+    read = hf_sharded_transformers.load_owned(owned, folder, torch.device("cpu"))
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    want = {**whole.state_dict(), **dict(whole.named_buffers())}
+    got = {**owned.state_dict(), **dict(owned.named_buffers())}
+    if got.keys() != want.keys():
+        raise AssertionError(f"rank-local read: other tensors {sorted(set(got) ^ set(want))[:3]}")
+    differ = [k for k in want if not torch.equal(local(got[k]), local(want[k]))]
+    if differ:
+        raise AssertionError(f"rank-local read: {len(differ)} tensors differ, e.g. {differ[0]}")
+    on_disk = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    if read >= on_disk:
+        raise AssertionError(f"rank-local read: {read} bytes of {on_disk} read")
+    return "ok"
 
 
 def _train_pipeline(ref: torch.nn.Module, dims, batches: list[torch.Tensor]) -> None:

@@ -52,7 +52,7 @@ def test_named_architectures_train_export_and_generate():
     cells = _matrix(IN_CI)
     _check(cells)
     for arch in IN_CI:  # what the README promises of each
-        assert all(cells[arch][c] == "ok" for c in ("ep=2", "dp=2", "export", "generate")), arch
+        assert all(cells[arch][c] == "ok" for c in ("ep=2", "read", "dp=2", "export", "generate")), arch
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
 """`moeflow train --model.hf_path` on transformers' own modules (model.hf_impl = 'transformers'), for a tiny
 gpt-oss folder, an architecture moeflow's own model does not map (attention sinks, sliding windows, biased and
-interleaved experts, clamped SwiGLU): the first loss is transformers' own; ep=2 and dp=2 train the one-process
-losses and gradient norms; a run stopped under ep=2 resumes in one process as the uninterrupted run; the export
-gives `moeflow eval`'s loss in transformers; and what is not supported is refused in one line before any rank
-starts. Every loss comparison relative REL (fp32)."""
+interleaved experts, clamped SwiGLU): the first loss is transformers' own; ep=2 and dp=2 (each rank reading its
+own part of the folder) train the one-process losses and gradient norms; a run stopped under ep=2 resumes in one
+process as the uninterrupted run; the export gives `moeflow eval`'s loss in transformers; and what is not
+supported is refused in one line before any rank starts. Every loss comparison relative REL (fp32)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,10 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
     want = np.array(_steps(tmp_path / "one"))
     for run in results:
         np.testing.assert_allclose(np.array(_steps(tmp_path / run)), want, rtol=REL, err_msg=run)
+    # each rank read its own part of the folder (the runs above start from it): under ep=2 half the experts
+    read = json.loads((tmp_path / "ep2" / "summary.json").read_text())["hf_bytes_read_rank0"]
+    on_disk = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    assert read < 0.75 * on_disk, (read, on_disk)
 
     out = tmp_path / "exported"
     assert cli_main(["convert", "moeflow-to-hf", str(tmp_path / "stop"), str(out), "--dtype", "fp32"]) == 0
