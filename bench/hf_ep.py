@@ -13,11 +13,14 @@ repeat on the same batch of each rank:
                             (model.hf_impl = 'transformers')
   gpt_oss transformers      transformers' GptOssForCausalLM (no native path: the architecture's own experts)
 
-and the peer, transformers' own distributed training of the same folders:
+and the peers, the same folders trained by:
 
-  qwen3_moe transformers-ep  from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2, ep_size=2)):
-  gpt_oss transformers-ep    transformers' expert plan (its all-to-all token dispatch) and FSDP2, a plain loop
-                             (forward, cross-entropy, backward, AdamW)
+  qwen3_moe transformers-ep  transformers' own distributed training: from_pretrained(..., distributed_config=
+  gpt_oss transformers-ep    DistributedConfig(fsdp_size=2, ep_size=2)), its expert plan (its all-to-all token
+                             dispatch) and FSDP2, a plain loop (forward, cross-entropy, backward, AdamW)
+  qwen3_moe deepspeed-autoep DeepSpeed's AutoEP, ZeRO stage 0, in a venv of its own (bench/hf_ep_autoep.py; its
+                             processes run after the others: the one case not interleaved; AutoEP has no gpt-oss
+                             preset)
 
 Shapes (Qwen3-MoE's and gpt-oss's layouts at a CPU's size): hidden 256, 4 layers, 8 heads of 32 (2 kv heads), 16
 experts of width 256, top-4, vocabulary 2048, 4 x 256 tokens per rank, fp32, one thread per rank. The losses of
@@ -43,6 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 CASES = ["qwen3_moe native", "qwen3_moe transformers", "qwen3_moe transformers-ep", "gpt_oss transformers",
          "gpt_oss transformers-ep"]
+AUTOEP = "qwen3_moe deepspeed-autoep"  # runs in its own venv (bench/hf_ep_autoep.py)
+PEERS = ("transformers-ep", "deepspeed-autoep")
 D, LAYERS, HEADS, KV, HD, E, K, F, V = 256, 4, 8, 2, 32, 16, 4, 256, 2048
 B, S = 4, 256
 
@@ -145,33 +150,45 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     repeats = 3 if args.quick else args.repeats
+    from bench import hf_ep_autoep
+
     with tempfile.TemporaryDirectory() as tmp:
         folders = make_folders(Path(tmp))
         mp.spawn(_worker, args=({k: str(v) for k, v in folders.items()}, repeats, tmp), nprocs=2, join=True)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
-    first = {c: [r["first_loss"][c] for r in ranks] for c in CASES}  # each rank's own batch
-    for case in CASES:  # every case of an architecture starts from the same weights and batch
-        same = next(c for c in CASES if c.split()[0] == case.split()[0])
+        hf_ep_autoep.run(folders["qwen3_moe"], Path(tmp), repeats, B, S)
+        for r, rank in enumerate(ranks):
+            autoep = json.loads(Path(tmp, f"autoep_rank{r}.json").read_text())
+            for key in ("first_loss", "median_s"):
+                rank[key][AUTOEP] = autoep[key]
+            rank["peak_rss_mb_autoep"] = autoep["peak_rss_mb"]
+    cases = CASES + [AUTOEP]
+    first = {c: [r["first_loss"][c] for r in ranks] for c in cases}  # each rank's own batch
+    for case in cases:  # every case of an architecture starts from the same weights and batch
+        same = next(c for c in cases if c.split()[0] == case.split()[0])
         for got, want in zip(first[case], first[same]):
             if abs(got - want) > 1e-5 * abs(want):
                 raise SystemExit(f"{case} disagrees with {same} on the first loss: {got} vs {want}")
-    slowest = {c: max(r["median_s"][c] for r in ranks) for c in CASES}
+    slowest = {c: max(r["median_s"][c] for r in ranks) for c in cases}
     tokens = B * S
 
-    def peer(case: str) -> str:
-        return f"{case.split()[0]} transformers-ep"
+    def fastest_peer(case: str) -> float:
+        return min(slowest[c] for c in cases if c.split()[0] == case.split()[0] and c.split()[1] in PEERS)
 
     rows = [{"case": c, "step_ms": 1e3 * slowest[c], "tokens_per_s": tokens / slowest[c],
              "vs_native": slowest[CASES[0]] / slowest[c] if c.startswith("qwen3_moe") else None,
-             "vs_transformers_ep": slowest[peer(c)] / slowest[c],
-             "peak_rss_mb": [r["peak_rss_mb"] for r in ranks]} for c in CASES]
+             "vs_transformers_ep": slowest[f"{c.split()[0]} transformers-ep"] / slowest[c],
+             "vs_fastest_peer": fastest_peer(c) / slowest[c],
+             "peak_rss_mb": [r["peak_rss_mb_autoep" if c == AUTOEP else "peak_rss_mb"] for r in ranks]}
+            for c in cases]
     print(f"\nep=2 on 2 gloo ranks, {tokens} tokens per rank, medians of {repeats} interleaved steps; first losses "
           f"(rank 0) {', '.join(f'{c} {v[0]:.6f}' for c, v in first.items())}\n")
-    print(f"{'case':<26} {'step ms':>9} {'tokens/s':>9} {'vs native':>10} {'vs transformers-ep':>19}")
+    print(f"{'case':<26} {'step ms':>9} {'tokens/s':>9} {'vs native':>10} {'vs transformers-ep':>19} "
+          f"{'vs fastest peer':>16}")
     for row in rows:
         native = f"{row['vs_native']:.2f}" if row["vs_native"] else "-"
         print(f"{row['case']:<26} {row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} {native:>10} "
-              f"{row['vs_transformers_ep']:>19.2f}")
+              f"{row['vs_transformers_ep']:>19.2f} {row['vs_fastest_peer']:>16.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, "tokens_per_rank": tokens,
