@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from moeflow.core.model_config import ModelConfig
-from moeflow.core.parallel_dims import MLA_TP_UNSUPPORTED, ParallelDims
+from moeflow.core.parallel_dims import ParallelDims
 from moeflow.models.moe import MoE
 
 
@@ -113,8 +113,6 @@ class ModelAdapter:
                              f"moeflow's attention modules and is supported for moeflow models only yet "
                              f"(model.hf_impl = 'native' where moeflow maps the architecture, or "
                              f"moeflow.models.hf.from_pretrained); use cp = 1")
-        if dims.tp > 1 and self.is_mla:
-            raise ValueError(MLA_TP_UNSUPPORTED)
 
 
 class MoeflowAdapter(ModelAdapter):

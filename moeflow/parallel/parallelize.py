@@ -31,7 +31,7 @@ from moeflow.parallel.options import ParallelOptions
 from moeflow.parallel.recompute import apply_activation_checkpointing
 from moeflow.parallel.runner import LocalRunner, MTPObjective, local_token_scale
 from moeflow.parallel.state import ParallelState
-from moeflow.parallel.tensor import ffn_of
+from moeflow.parallel.tensor import beside_moe, ffn_of, shared_by_heads
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions | None = None) -> ParallelState:
@@ -169,6 +169,10 @@ def fsdp(b: _Build) -> None:
     keep_fp32 = b.options.compile or splits_backward
     apply_fsdp(b.blocks(), b.stages, dims, b.state.mesh, None if keep_fp32 else b.options.autocast_dtype,
                offload=b.options.offload == "params")
+    if dims.tp > 1:  # latent attention's down-projections and norms: whole on each tp rank, gradients partial
+        b.state.tp_partial += [p for block in b.blocks().values()
+                               for m in shared_by_heads(getattr(block, b.adapter.names.attention, None))
+                               for p in m.parameters()]
     if dims.fold_experts:
         # With the MoE folded over tp, each tp rank's router sees only its own tokens (its gradient is summed over
         # tp after backward), and each tp rank holds other experts (their gradients are distinct, not copies). The
@@ -181,12 +185,16 @@ def fsdp(b: _Build) -> None:
         # transformers' sparse MoE blocks: their experts are spread over ep x tp like moeflow's; everything else
         # in the block (router, shared experts and their gate) sees only this tp rank's tokens and stays
         # replicated over tp, so its gradient is summed over tp after backward.
-        for _, ffn in filter(None, (ffn_of(block, b.adapter.names) for block in b.blocks().values())):
+        # A shared expert beside the block (Granite-MoE's shared_mlp) runs on the same tokens: the same.
+        for block in b.blocks().values():
+            _, ffn = ffn_of(block, b.adapter.names) or (None, nn.Module())
             experts = [p for m in ffn.modules() if is_expert_parallel_hf(m) for p in m.parameters()]
             if experts:
                 b.state.tp_distinct += experts
                 spread = {id(p) for p in experts}
                 b.state.tp_partial += [p for p in ffn.parameters() if id(p) not in spread]
+                b.state.tp_partial += [p for name in beside_moe(block, b.adapter.names)
+                                       for p in getattr(block, name).parameters()]
 
 
 def runner(b: _Build) -> None:

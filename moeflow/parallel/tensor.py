@@ -53,7 +53,7 @@ from fnmatch import fnmatch
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -175,6 +175,50 @@ class HeadShardedNorm(SequenceParallel):
         super().__init__(sequence_dim=head_dim_index, use_local_output=True)
 
 
+class _ReplicatedWithPartialGrad(torch.autograd.Function):
+    """A plain tensor, identical on every tp rank, as a Replicate DTensor whose gradient goes back as this rank's
+    partial sum (no all-reduce): summed once, further back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh) -> DTensor:
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        return grad.redistribute(placements=[Partial()]).to_local(), None
+
+
+class PartialGradColwise(ColwiseParallel):
+    """ColwiseParallel for a linear whose input is plain and replicated inside a tensor-parallel module (latent
+    attention's up-projections): the input gradient it hands back stays this rank's partial sum (ColwiseParallel
+    would all-reduce it), like every other gradient inside the module."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        return x if isinstance(x, DTensor) else _ReplicatedWithPartialGrad.apply(x, device_mesh)
+
+
+class LocalInput(ParallelStyle):
+    """A module kept whole on every tp rank inside a tensor-parallel one (latent attention's down-projections):
+    its Replicate DTensor input becomes the plain local tensor, whose gradient goes back as this rank's partial
+    sum (the module's input gather sums those over tp), and its parameters stay plain: their gradients, partial
+    too, are summed over tp after backward (ParallelState.tp_partial)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def local(mod, args):
+            x = args[0]
+            if isinstance(x, DTensor):
+                x = x.to_local(grad_placements=[Partial()])
+            return (x, *args[1:])
+
+        module.register_forward_pre_hook(local)
+        return module
+
+    def __repr__(self) -> str:
+        return "LocalInput()"
+
+
 class WidthShardedNorm(ParallelStyle):
     """RMSNorm over the full width of a column-sharded activation (OLMoE's qk_norm 'full', over all heads).
 
@@ -252,6 +296,18 @@ def ffn_of(block: nn.Module, names) -> tuple[str, nn.Module] | None:
     return next(((name, child) for name, child in block.named_children() if _is_moe(child)), None)
 
 
+def beside_moe(block: nn.Module, names) -> list[str]:
+    """Names of a block's children that run beside its MoE block on the same input, outside it (Granite-MoE's
+    shared_mlp, a shared expert the layer adds to the MoE's output): anything with parameters that is not the
+    attention, the FFN or a norm, in a block whose FFN is an MoE. They take the MoE block's style."""
+    found = ffn_of(block, names)
+    if found is None or not _is_moe(found[1]):
+        return []
+    return [name for name, child in block.named_children()
+            if name not in (names.attention, found[0]) and not type(child).__name__.lower().endswith("norm")
+            and any(True for _ in child.parameters())]
+
+
 def _moe_style(fold_experts: bool) -> ParallelStyle:
     return LocalTokens() if fold_experts else ReplicatedModule()
 
@@ -315,23 +371,64 @@ class Styles(ParallelStyle):
         return f"Styles{self.styles}"
 
 
+# q/k norms under the names architectures give them (Qwen3's, Hunyuan's)
+QK_NORMS = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"))
+# output gates of the attention, one value (or Dh values) per query head, multiplied into the attention's output
+# before o_proj (AFMoE's and Beam's gate_proj, Laguna's g_proj): column-sharded with the heads they gate
+ATTENTION_GATES = ("gate_proj", "g_proj")
+
+
+# transformers' multi-head latent attention (DeepSeek-V2/V3 and kin): the projections to and from the latents.
+# The per-head ones (q_proj or q_b_proj, kv_b_proj) are column-sharded with the heads; the down-projections
+# (q_a_proj, kv_a_proj_with_mqa) and their norms are shared by all heads and stay whole on every tp rank
+# (LocalInput). Every gradient inside the attention stays each rank's partial sum (its local heads'): the
+# up-projections hand theirs back unreduced (PartialGradColwise), as does k_rot, which the heads read directly;
+# the shared modules' parameter gradients are summed over tp after backward, their input's by the attention's
+# gather (parallelize: tp_partial).
+MLA_PER_HEAD = ("q_b_proj", "kv_b_proj")
+MLA_SHARED = ("q_a_proj", "kv_a_proj_with_mqa")
+MLA_NORMS = ("q_a_layernorm", "kv_a_layernorm")
+
+
+def _is_latent(attention: nn.Module) -> bool:
+    return all(hasattr(attention, p) for p in ("kv_a_proj_with_mqa", "kv_b_proj"))
+
+
+def shared_by_heads(attention: nn.Module | None) -> list[nn.Module]:
+    """The modules of a latent attention that stay whole on every tp rank, their gradients partial there."""
+    if attention is None or not _is_latent(attention):
+        return []
+    return [m for m in (getattr(attention, n, None) for n in (*MLA_SHARED, *MLA_NORMS)) if m is not None]
+
+
 def _attention_parts(model: nn.Module, layers: dict[str, nn.Module], names) -> tuple[str, ...]:
-    """Check that the plan places every part of every layer's attention: q/k/v/o projections, q/k norms, and
-    parameters of the attention's own with one row per query head (gpt-oss's sinks), whose names it returns (they
-    follow the heads onto their tp ranks). ValueError naming the first part it cannot place."""
+    """Check that the plan places every part of every layer's attention: q/k/v/o projections, q/k norms, output
+    gates, and parameters of the attention's own with one row per query head (gpt-oss's sinks, Beam's gate bias),
+    whose names it returns (they follow the heads onto their tp ranks). ValueError naming the first part it cannot
+    place."""
     config = getattr(model, "config", None)  # a transformers config (moeflow's attention has no own parameters)
     heads = config.get_text_config().num_attention_heads if hasattr(config, "get_text_config") else None
     projections = (names.q, names.k, names.v, names.o)
+    placed = (*projections, *(n for pair in QK_NORMS for n in pair), *ATTENTION_GATES,
+              *MLA_PER_HEAD, *MLA_SHARED, *MLA_NORMS)
     per_head: dict[str, None] = {}
     for key, block in layers.items():
         attention = getattr(block, names.attention, None)
-        if attention is None or not all(hasattr(attention, p) for p in projections):
+        latent = attention is not None and _is_latent(attention) and hasattr(attention, names.o) and (
+            getattr(attention, names.q, None) is not None or getattr(attention, "q_b_proj", None) is not None)
+        if attention is None or not (latent or all(hasattr(attention, p) for p in projections)):
             which = (f"layer {key}'s is {type(attention).__name__}" if attention is not None else
                      f"layer {key} has none (its parts: {', '.join(n for n, _ in block.named_children())})")
-            raise ValueError(f"{type(model).__name__}: an attention without {'/'.join(projections)} has no built-in "
-                             f"tensor-parallel plan; {which}; {HOW_TO_PASS_A_PLAN}")
+            raise ValueError(f"{type(model).__name__}: an attention without {'/'.join(projections)} (or latent "
+                             f"attention's kv_a_proj_with_mqa/kv_b_proj) has no built-in tensor-parallel plan; "
+                             f"{which}; {HOW_TO_PASS_A_PLAN}")
         for name, child in attention.named_children():
-            if name not in (*projections, "q_norm", "k_norm") and any(True for _ in child.parameters()):
+            gate_widths = (heads, heads * getattr(attention, "head_dim", 0)) if heads else ()
+            if name in ATTENTION_GATES and not (isinstance(child, nn.Linear) and child.out_features in gate_widths):
+                raise ValueError(f"{type(model).__name__}: an attention gate that is not one value or one head's "
+                                 f"width per query head; layer {key}'s {names.attention}.{name} "
+                                 f"({type(child).__name__}); {HOW_TO_PASS_A_PLAN}")
+            if name not in placed and any(True for _ in child.parameters()):
                 raise ValueError(f"{type(model).__name__}: an attention submodule the built-in tensor-parallel plan "
                                  f"does not place; layer {key}'s {names.attention}.{name} ({type(child).__name__}); "
                                  f"{HOW_TO_PASS_A_PLAN}")
@@ -355,9 +452,12 @@ def _block_norms(layers: dict[str, nn.Module], names) -> list[str]:
     return list(found)
 
 
-def _qk_norm_style(attention: nn.Module, names) -> ParallelStyle | None:
-    """Per head (Qwen3: a [Dh] weight) or over all heads (OLMoE, OLMo2: the projection's whole width)."""
-    q_norm = getattr(attention, "q_norm", None)
+def _qk_norm_style(attention: nn.Module, q_norm_name: str, names) -> ParallelStyle | None:
+    """Per head (Qwen3: a [Dh] weight) or over all heads (OLMoE, OLMo2: the projection's whole width). A per-head
+    norm is wrapped as sharded on the heads' dim (which dim the local tensor is cut on does not change a norm over
+    the last dim, only that its weight's gradient is summed over tp), so a norm applied after the heads are
+    transposed (Hunyuan's) takes the same style."""
+    q_norm = getattr(attention, q_norm_name, None)
     if q_norm is None or getattr(q_norm, "weight", None) is None:
         return None
     if q_norm.weight.numel() == attention.head_dim:
@@ -377,7 +477,7 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
 def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) -> dict[str, ParallelStyle]:
     """One plan for every family, addressed by the family's module names (moeflow.parallel.adapter)."""
     names = adapter.names
-    if adapter.is_mla:  # no plan for latent attention's low-rank projections yet
+    if adapter.is_mla and adapter.family == "moeflow":  # no plan for moeflow's own latent attention yet
         raise ValueError(MLA_TP_UNSUPPORTED)
     layers = {str(k): block for k, block in adapter.blocks().items() if not str(k).startswith("mtp.")}
     head_parameters = _attention_parts(model, layers, names)
@@ -387,16 +487,25 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
     if _module(model, names.embedding) is not None:
         plan[names.embedding] = _embedding_style()
     plan.update({f"{block}.{norm}": SequenceParallel() for norm in _block_norms(layers, names)})
+    first_attention = getattr(next(iter(layers.values())), names.attention)
     plan.update({
         attn: Styles(gather, HeadShardedParameters(head_parameters)) if head_parameters else gather,
-        f"{attn}.{names.q}": ColwiseParallel(),
-        f"{attn}.{names.k}": ColwiseParallel(),
-        f"{attn}.{names.v}": ColwiseParallel(),
         f"{attn}.{names.o}": _rowwise_to_sequence(),
     })
-    qk_norm = _qk_norm_style(getattr(next(iter(layers.values())), names.attention), names)
-    if qk_norm is not None:
-        plan[f"{attn}.q_norm"] = plan[f"{attn}.k_norm"] = qk_norm
+    if _is_latent(first_attention):
+        per_head = [p for p in (names.q, *MLA_PER_HEAD) if getattr(first_attention, p, None) is not None]
+        plan.update({f"{attn}.{p}": PartialGradColwise() for p in per_head if p != names.q})
+        if getattr(first_attention, names.q, None) is not None:  # no q latent: q_proj reads the attention input
+            plan[f"{attn}.{names.q}"] = ColwiseParallel()
+        plan.update({f"{attn}.{p}": LocalInput() for p in MLA_SHARED if getattr(first_attention, p, None) is not None})
+    else:
+        plan.update({f"{attn}.{p}": ColwiseParallel() for p in (names.q, names.k, names.v)})
+    for q_norm, k_norm in QK_NORMS:
+        qk_norm = _qk_norm_style(first_attention, q_norm, names)
+        if qk_norm is not None:
+            plan[f"{attn}.{q_norm}"] = plan[f"{attn}.{k_norm}"] = qk_norm
+    plan.update({f"{attn}.{gate}": ColwiseParallel() for gate in ATTENTION_GATES
+                 if isinstance(getattr(first_attention, gate, None), nn.Linear)})
 
     def ffn_kind(layer):
         name, ffn = ffn_of(layer, names) or (names.ffn, None)
@@ -417,6 +526,10 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
             ffn = f"{pattern}.{name}"
             if kind == "moe":
                 plan[ffn] = _moe_style(fold_experts)
+                key = pattern.rsplit(".", 1)[1]
+                beside = {other: None for k, layer in layers.items() if key in ("*", k)
+                          for other in beside_moe(layer, names)}
+                plan.update({f"{pattern}.{other}": _moe_style(fold_experts) for other in beside})
                 continue
             plan[ffn] = _gather_sequence(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
             plan[f"{ffn}.{names.gate}"] = ColwiseParallel()

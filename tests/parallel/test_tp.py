@@ -40,6 +40,10 @@ def test_world2_tp2():
          tp_worker.case_hf_parallelize, dict(arch="gpt_oss", tp=2)),
         ("HF gpt-oss through moeflow.parallelize, tp=2, MoE whole on each tp rank", tp_worker.case_hf_parallelize,
          dict(arch="gpt_oss", tp=2, ep_over_tp=False)),
+        ("HF DeepSeek-V3 (latent attention: q and kv latents whole per rank, heads sharded), tp=2",
+         tp_worker.case_hf_parallelize, dict(arch="deepseek_v3", tp=2)),
+        ("HF DeepSeek-V3 without a q latent (q_proj column-sharded), tp=2", tp_worker.case_hf_parallelize,
+         dict(arch="deepseek_v3-no-q-lora", tp=2)),
         ("parallelize adds no attributes, world 2", tp_worker.case_parallelize_adds_no_attributes, {}),
     ]
     check_results(tp_worker.launch(2, cases), cases)

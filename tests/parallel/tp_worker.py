@@ -96,6 +96,13 @@ def hf_model(arch: str):
                                         num_experts_per_tok=2, sliding_window=4,
                                         layer_types=["sliding_attention", "full_attention"])
         cls = transformers.GptOssForCausalLM
+    elif arch.startswith("deepseek_v3"):  # transformers' latent attention and experts; "-no-q-lora": q_proj
+        mla = dict(kv_lora_rank=16, q_lora_rank=None if arch.endswith("no-q-lora") else 16, qk_rope_head_dim=4,
+                   qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1)
+        cfg = transformers.DeepseekV3Config(**{**common, "num_key_value_heads": 4, "attn_implementation": "eager"},
+                                            **mla)
+        cls = transformers.DeepseekV3ForCausalLM
     else:  # Qwen3-MoE, its sparse blocks replaced by moeflow's MoE
         cfg = transformers.Qwen3MoeConfig(**common, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                           moe_intermediate_size=16, output_router_logits=False)

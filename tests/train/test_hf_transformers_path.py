@@ -129,13 +129,15 @@ def test_what_is_not_supported_is_one_line_before_any_rank(folder, tmp_path, cha
 
 
 def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_path):
-    """Latent attention and a Mamba mixer have no q/k/v/o projections for the plan: each refused before any rank,
-    found from the architecture's modules on the meta device."""
+    """A sparse-attention indexer and a Mamba mixer are parts the plan cannot place: each refused before any
+    rank, found from the architecture's modules on the meta device."""
     from tests.support.hf_tiny import tiny_model
 
-    for arch, why in (("deepseek_v2", "multi-head latent attention"),
-                      ("jamba", "an attention without q_proj/k_proj/v_proj/o_proj has no built-in tensor-parallel "
-                                "plan; layer 1 has none")):
+    for arch, why in (("deepseek_v32", "an attention submodule the built-in tensor-parallel plan does not place; "
+                                       "layer 0's self_attn.indexer"),
+                      ("jamba", "an attention without q_proj/k_proj/v_proj/o_proj \\(or latent attention's "
+                                "kv_a_proj_with_mqa/kv_b_proj\\) has no built-in tensor-parallel plan; layer 1 has "
+                                "none")):
         folder = tmp_path / arch
         tiny_model(arch, seed=0).save_pretrained(folder)
         data = folder / "tokens.bin"
