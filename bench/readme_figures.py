@@ -292,9 +292,9 @@ def optim() -> str:
         f"backward of {meta['tokens_per_rank']} tokens, so at this batch no kernel brings the ratio to 1.15x; "
         f"Newton-Schulz is 15% of the training FLOPs from "
         f"{meta['ns_gflop_per_step'] / (0.15 * meta['train_gflop_per_token']):,.0f} tokens per step (a pretraining "
-        f"batch is millions). Under 2 and 4 gloo ranks the optimizer step is mostly its collectives: two per "
-        f"sharded matrix (the gather and the sum of the results). Every matrix is orthogonalised once, by one "
-        f"rank, under every layout.")]
+        f"batch is millions). Under 2 and 4 gloo ranks the sharded updates of a step travel together: one "
+        f"all-gather and one all-reduce per 64 MB of them (not two per tensor), the bytes the planner predicts. "
+        f"Every matrix is orthogonalised once, by one rank, under every layout.")]
     return "\n".join(lines)
 
 

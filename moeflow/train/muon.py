@@ -90,6 +90,98 @@ def _orthogonalised(update: torch.Tensor, steps: int, turn: int) -> tuple[torch.
     return out, turn + len(matrices)
 
 
+def _shard_bounds(size: int, n: int, r: int) -> tuple[int, int]:
+    """(offset, length) of rank r's chunk of a dim of `size` cut n ways (torch.chunk's cut, as DTensor's Shard)."""
+    c = -(-size // n)
+    return min(r * c, size), max(0, min(c, size - r * c))
+
+
+class _ShardedMatrices:
+    """Updates cut over one mesh dim (FSDP2's Shard(0), TP's column / row shards), orthogonalised
+    together: each pending update's local shard travels in one all-gather, matrix i of them is orthogonalised by
+    rank (turn + i) mod n alone (stacked by shape, one batched Newton-Schulz per shape), and the bf16 results come
+    back in one all-reduce; every rank then cuts out its shard. Two collectives per flush instead of two per
+    tensor (each collective's latency, not its bytes, dominated a Muon step on small tensors); the bytes sent
+    are the per-tensor scheme's. Flushed once `PENDING_BYTES` of whole updates wait, so at most that much is
+    gathered at once."""
+
+    PENDING_BYTES = 64 * 2**20
+
+    def __init__(self, steps: int, apply):
+        self.steps, self.apply = steps, apply
+        self.pending: list[tuple[nn.Parameter, torch.Tensor, int]] = []  # (parameter, update, its first turn)
+        self.bytes = 0
+
+    @staticmethod
+    def sharded_dim(update: torch.Tensor) -> int | None:
+        """The mesh dim an update is cut over when it is the only one of its mesh larger than 1 and the cut is
+        one Shard (the tp dim of a tp-only run, FSDP2's dim of a dp-only one); None otherwise."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        if not isinstance(update, DTensor):
+            return None
+        mesh = update.device_mesh
+        cut = [i for i in range(mesh.ndim) if mesh.size(i) > 1]
+        if len(cut) != 1 or type(update.placements[cut[0]]) is not Shard:
+            return None
+        return cut[0]
+
+    def add(self, p: nn.Parameter, update: torch.Tensor, turn: int) -> None:
+        if self.pending and (self.pending[0][1].device_mesh, self.sharded_dim(self.pending[0][1])) != (
+                update.device_mesh, self.sharded_dim(update)):
+            self.flush()
+        self.pending.append((p, update, turn))
+        self.bytes += update.numel() * update.element_size()
+        if self.bytes >= self.PENDING_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        import torch.distributed._functional_collectives as funcol
+        from torch.distributed.tensor import DTensor
+
+        if not self.pending:
+            return
+        mesh = self.pending[0][1].device_mesh
+        k = self.sharded_dim(self.pending[0][1])
+        n, me = mesh.size(k), mesh.get_local_rank(k)
+        dims = [u.placements[k].dim % u.ndim for _, u, _ in self.pending]
+        # every rank's slot for an update holds its largest chunk: equal sizes for the one all-gather
+        slots = [-(-u.shape[d] // n) * u.numel() // u.shape[d] for (_, u, _), d in zip(self.pending, dims)]
+        local = torch.cat([torch.cat([u.to_local().reshape(-1), u.to_local().new_zeros(slot - u.to_local().numel())])
+                           for (_, u, _), slot in zip(self.pending, slots)])
+        gathered = funcol.all_gather_tensor(local, 0, (mesh, k)).view(n, -1)
+        mine: dict[torch.Size, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # shape -> (result slot, matrix)
+        outs, start = [], 0
+        for (_, u, turn), d, slot in zip(self.pending, dims, slots):
+            pieces = []
+            for r in range(n):
+                shape = list(u.shape)
+                shape[d] = _shard_bounds(u.shape[d], n, r)[1]
+                pieces.append(gathered[r, start:start + slot][:math.prod(shape)].view(shape))
+            start += slot
+            matrices = torch.cat(pieces, dim=d).reshape(-1, *u.shape[-2:])
+            out = torch.zeros(matrices.shape, dtype=torch.bfloat16, device=matrices.device)
+            for i, m in enumerate(matrices):
+                if (turn + i) % n == me:
+                    mine.setdefault(m.shape, []).append((out[i], m))
+            outs.append(out)
+        for pairs in mine.values():
+            done = newton_schulz(torch.stack([m for _, m in pairs]), self.steps)
+            for (slot_, _), o in zip(pairs, done):
+                slot_.copy_(o)
+        summed = torch.cat([o.reshape(-1) for o in outs])
+        torch.distributed.all_reduce(summed, group=mesh.get_group(k))
+        offset = 0
+        for (p, u, _), d, out in zip(self.pending, dims, outs):
+            whole = summed[offset:offset + out.numel()].view(u.shape)
+            offset += out.numel()
+            first, length = _shard_bounds(u.shape[d], n, me)
+            ortho = DTensor.from_local(whole.narrow(d, first, length), mesh, u.placements, run_check=False,
+                                       shape=u.shape, stride=u.stride())
+            self.apply(p, ortho)
+        self.pending, self.bytes = [], 0
+
+
 class _LocalMatrices:
     """Updates this rank holds whole (one process, expert slices under ep), orthogonalised together: stacked by
     matrix shape, one batched Newton-Schulz per shape (a model's many small matrices cost a fraction of one call
@@ -157,6 +249,7 @@ class Muon(torch.optim.Optimizer):
             p.add_(ortho.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape[-2:]))
 
         local = _LocalMatrices(group["ns_steps"], apply)
+        sharded = _ShardedMatrices(group["ns_steps"], apply)
         turn = 0  # matrices orthogonalised so far this step: the owner of the next is turn mod the mesh's size
         for p in group["params"]:
             if p.grad is None:
@@ -167,12 +260,16 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)
             update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-            if isinstance(update, DTensor):
+            if _ShardedMatrices.sharded_dim(update) is not None:
+                sharded.add(p, update, turn)
+                turn += update.shape[:-2].numel()
+            elif isinstance(update, DTensor):  # several mesh dims (HSDP, FSDP over TP): one tensor at a time
                 ortho, turn = _orthogonalised(update, group["ns_steps"], turn)
                 apply(p, ortho)
             else:
                 local.add(p, update)
                 turn += update.shape[:-2].numel()
+        sharded.flush()
         local.flush()
 
     def _adamw_step(self, group: dict) -> None:
