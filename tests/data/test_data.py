@@ -44,6 +44,8 @@ def test_hf_tokenizer(tmp_path):
     assert len(ids) == 3 and len(set(ids)) == 3
     assert tok.decode(ids) == "the cat sat"
     assert tok.encode("zebra") == [0]  # unknown word -> <unk>
+    # the batch path (tokenizers' encode_batch_fast, no offsets) gives each text's own encode
+    assert tok.encode_batch(SENTENCES + ["zebra", ""]) == [tok.encode(t) for t in SENTENCES + ["zebra", ""]]
 
 
 def test_hf_tokenizer_without_eos(tmp_path):
