@@ -109,6 +109,10 @@ class Router(nn.Module):
         # on all ranks, handed in by the step runner (model code never communicates; docs/design.md, principle 1).
         self.global_selected: torch.Tensor | None = None  # [E] float32
 
+    @property
+    def num_experts(self) -> int:
+        return self.cfg.num_experts
+
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         if self.cfg.score_func == "softmax":
             return logits_TE.softmax(dim=-1)

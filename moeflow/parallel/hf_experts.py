@@ -146,3 +146,80 @@ def _expert_parallel_class(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (_ExpertParallel, cls), {})
     return _CLASSES[cls]
+
+
+# ---- routing statistics ----------------------------------------------------------------------------------------
+
+
+class HFRouting:
+    """What moeflow reads and updates of a transformers MoE block's routing, in the shape of its own Router: the
+    tokens each (global) expert was sent in the block's last forward (`last_load`, counted from the experts
+    module's own call, before any dispatch), and the architecture's selection bias where it has one (`expert_bias`:
+    DeepSeek-V3's, GLM-4.5's ... `e_score_correction_bias`), which `update_bias` moves as moeflow's aux-loss-free
+    routers move theirs, at `bias_update_rate` (0 until the trainer sets model.moe.bias_update_rate:
+    transformers' own training leaves it fixed)."""
+
+    last_dropped = 0.0  # dropless
+
+    def __init__(self, experts: nn.Module, block: nn.Module):
+        self.num_experts = _EXPERT_PARALLEL[experts][1] if experts in _EXPERT_PARALLEL else experts.num_experts
+        # the bias by name: its tensor is replaced when a rank-local read gives the model storage (to_empty)
+        names = [name for name, t in (*block.named_buffers(), *block.named_parameters())
+                 if name.endswith("e_score_correction_bias") and t.numel() == self.num_experts]
+        # (weakly: the block holds the experts module this is kept beside)
+        self._block, self._bias_name = weakref.ref(block), names[0] if names else None
+        self.bias_update_rate = 0.0
+        self.last_load = self.last_selected = torch.zeros(self.num_experts)
+        experts.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    @property
+    def expert_bias(self) -> torch.Tensor | None:
+        if self._bias_name is None:
+            return None
+        owner, _, name = self._bias_name.rpartition(".")
+        block = self._block()
+        return getattr(block.get_submodule(owner) if owner else block, name)
+
+    @torch.compiler.disable
+    def _count(self, module, args, kwargs) -> None:
+        from moeflow.models.moe import count_keys
+
+        if len(args) == 1 and hasattr(args[0], "args"):  # its inputs hidden from FSDP2 (moeflow.parallel.expert)
+            args = args[0].args
+        top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        self.last_load = count_keys(top_k_index.reshape(-1), self.num_experts).float()
+        self.last_selected = self.last_load  # dropless: every selection is routed
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor) -> None:
+        if self.expert_bias is not None and self.bias_update_rate:
+            bias = self.expert_bias.to_local() if hasattr(self.expert_bias, "to_local") else self.expert_bias
+            bias += self.bias_update_rate * torch.sign(load_E.mean() - load_E).to(bias.dtype)
+
+
+_ROUTING: weakref.WeakKeyDictionary[nn.Module, HFRouting] = weakref.WeakKeyDictionary()
+
+
+def _experts_by_layer(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
+    """{decoder layer index: (name, experts module)} by the index in its name ('model.layers.<i>.mlp.experts')."""
+    import re
+
+    out = {}
+    for name, module in model.named_modules():
+        found = re.search(r"layers\.(\d+)\.", name) if is_hf_experts(module) else None
+        if found:
+            out[int(found.group(1))] = (name, module)
+    return dict(sorted(out.items()))
+
+
+def hf_moe_layers(model: nn.Module) -> list[int]:
+    """The decoder layers of a transformers model whose FFN is an MoE block with an experts module."""
+    return list(_experts_by_layer(model))
+
+
+def hf_routing(model: nn.Module) -> dict[int, HFRouting]:
+    """{decoder layer index: HFRouting} of every transformers experts module of `model` (made once per module)."""
+    for name, module in _experts_by_layer(model).values():
+        if module not in _ROUTING:
+            _ROUTING[module] = HFRouting(module, model.get_submodule(name.rsplit(".", 1)[0]))
+    return {layer: _ROUTING[module] for layer, (_, module) in _experts_by_layer(model).items()}

@@ -172,9 +172,9 @@ class _RouterLoadStage(PipelineStage):
 
     def reset_router_loads(self) -> None:
         zeros = lambda *shape: torch.zeros(*shape, device=self.device)  # noqa: E731
-        self.router_loads = {i: zeros(r.cfg.num_experts) for i, r in self.routers.items()}
+        self.router_loads = {i: zeros(r.num_experts) for i, r in self.routers.items()}
         self.router_dropped = {i: zeros(()) for i in self.routers}
-        self.router_selected = {i: zeros(r.cfg.num_experts) for i, r in self.routers.items()}
+        self.router_selected = {i: zeros(r.num_experts) for i, r in self.routers.items()}
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)

@@ -51,12 +51,15 @@ from moeflow.models.transformer import router_layer_index
 def router_layers(modules) -> dict[int, Router]:
     """{global layer index: Router} of the given modules (names 'layers.<i>.feed_forward.router'; an MTP block's
     router 'mtp.<k>....' is layer n_layers + k)."""
+    from moeflow.parallel.hf_experts import hf_routing
+
     routers = {}
     for module in modules:
         n_layers = module.cfg.n_layers if hasattr(module, "cfg") else 0
         for name, sub in module.named_modules():
             if isinstance(sub, Router):
                 routers[router_layer_index(name, n_layers)] = sub
+        routers.update(hf_routing(module))  # transformers' MoE blocks: their routing read as a Router's
     return dict(sorted(routers.items()))
 
 
@@ -66,7 +69,8 @@ def local_token_scale(targets: torch.Tensor, ignore_index: int = -100) -> torch.
 
 
 def global_batch_routers(routers: dict[int, Router]) -> dict[int, Router]:
-    return {i: r for i, r in routers.items() if r.cfg.aux_loss_type == "global_batch" and r.cfg.aux_loss_coef > 0}
+    return {i: r for i, r in routers.items()
+            if isinstance(r, Router) and r.cfg.aux_loss_type == "global_batch" and r.cfg.aux_loss_coef > 0}
 
 
 def pipeline_counts_first(cfg) -> bool:
@@ -99,7 +103,8 @@ def set_router_loss_scale(routers, per_forward: float, folded_tp: int = 1) -> No
     losses average its own tokens and the router's gradient is summed over the tp ranks: 1/tp each makes the sum
     their mean (as over data-parallel ranks; with the global-batch loss, exactly one process's gradient)."""
     for router in routers:
-        router.aux_loss_scale = per_forward / folded_tp
+        if isinstance(router, Router):  # (transformers' MoE blocks weigh their own auxiliary losses)
+            router.aux_loss_scale = per_forward / folded_tp
 
 
 def clear_global_selections(routers: dict[int, Router]) -> None:
@@ -137,7 +142,7 @@ class LocalRunner:
         self.forward = forward or (lambda model, inputs, **kwargs: model(inputs, **kwargs))
         self.keep_gathered = keep_gathered  # ZeRO-1: FSDP2 reshards only after the last micro-batch
         self.token_scale = token_scale  # the loss scale when the caller passes none
-        self.routers = router_layers([model]) if hasattr(model, "layers") else {}
+        self.routers = router_layers([model])
         # The aux loss rides on the routing weights' gradient, per micro-batch like the main loss.
         set_router_loss_scale(self.routers.values(), 1.0 / microbatches, folded_tp)
         self.balanced = global_batch_routers(self.routers)

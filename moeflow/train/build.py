@@ -91,6 +91,11 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
         bytes_read = load_owned(model, cfg.model)
     if cfg.peft.method == "lora" and device.type != "meta":
         init_lora(par.model, cfg)
+    if cfg.model.runs_transformers:  # transformers' selection biases move as moeflow's aux-loss-free routers' do
+        from moeflow.parallel.hf_experts import hf_routing
+
+        for routing in hf_routing(model).values():
+            routing.bias_update_rate = cfg.model.moe.bias_update_rate
     optimizer = _optimizer(model, t) if with_optimizer else None
     return par, optimizer, bytes_read
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -28,9 +29,17 @@ def moe_layers(cfg: JobConfig) -> list[int]:
     """Global indices of the MoE layers (MTP blocks after the decoder layers): router statistics are packed by
     these on every rank, so the one all-reduce has the same size whichever layers (pipeline stage) a rank holds."""
     m = cfg.model
-    if m.runs_transformers:  # transformers' routers are its own modules: no moeflow Router to read or update
-        return []
+    if m.runs_transformers:  # transformers' MoE blocks, read from its modules (moeflow.parallel.hf_experts.HFRouting)
+        return _hf_moe_layers(m.hf_path)
     return [i for i in range(m.n_layers + m.mtp_depth) if m.is_moe_layer(i)]
+
+
+@functools.cache
+def _hf_moe_layers(folder: str) -> list[int]:
+    from moeflow.models import hf_transformers
+    from moeflow.parallel.hf_experts import hf_moe_layers
+
+    return hf_moe_layers(hf_transformers.load(folder, "meta"))
 
 
 def _local_bytes(tensors) -> int:
@@ -198,7 +207,8 @@ def _layer_stats(cfg: JobConfig, layer: int, router, load_E: torch.Tensor, dropp
         max_over_mean=float(load_E.max() / load_E.mean().clamp(min=1e-9)),
         dropped_fraction=dropped / assignments,
         # under pipeline parallelism rank 0 holds only its stage's routers
-        router_bias=None if router is None else [round(b, 5) for b in router.expert_bias.tolist()],
+        router_bias=None if router is None or router.expert_bias is None else [
+            round(b, 5) for b in router.expert_bias.tolist()],
     )
 
 

@@ -54,6 +54,11 @@ def _steps(run_dir) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in rows]
 
 
+def _routing(run_dir) -> list[dict[str, list[int]]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{layer: stats["tokens_per_expert"] for layer, stats in r["moe"].items()} for r in rows]
+
+
 def test_the_run_is_transformers_model_from_its_first_loss(folder, tmp_path):
     cfg = load_config(None, _overrides(folder, tmp_path / "one"))
     assert cfg.model.runs_transformers and cfg.model.moe.num_experts == 4  # auto: gpt-oss is not mapped natively
@@ -93,6 +98,11 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
     want = np.array(_steps(tmp_path / "one"))
     for run in results:
         np.testing.assert_allclose(np.array(_steps(tmp_path / run)), want, rtol=REL, err_msg=run)
+    # the routing moeflow reads from transformers' MoE blocks: every logged step's tokens per expert, counted once
+    # per token whatever the layout (tp's folded ranks each count their slice, pp's stages their layers)
+    for run in results:
+        assert _routing(tmp_path / run) == _routing(tmp_path / "one"), run
+    assert all(sum(count) == 4 * 16 * 2 for step in _routing(tmp_path / "one") for count in step.values())
     # each rank read its own part of the folder (the runs above start from it): under ep=2 half the experts
     read = json.loads((tmp_path / "ep2" / "summary.json").read_text())["hf_bytes_read_rank0"]
     on_disk = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
@@ -210,3 +220,35 @@ def test_four_rank_layouts_train_the_one_process_run(folder, tmp_path):
     for run in runs:
         np.testing.assert_allclose(np.array(_steps(tmp_path / run)), np.array(_steps(tmp_path / "one")), rtol=REL,
                                    err_msg=run)
+
+
+def test_a_selection_bias_moves_as_moeflows_aux_free_routers(tmp_path):
+    """A GLM-4.5-shaped folder on transformers' modules: its routers' e_score_correction_bias moves by
+    model.moe.bias_update_rate against each step's global loads (hand-worked from the logged counts: rate x
+    sign(mean - load)), the same in one process and under ep=2, which train the same losses."""
+    from tests.parallel.layout_worker import launch
+    from tests.support.hf_tiny import tiny_model
+
+    folder = tmp_path / "glm"
+    model = tiny_model("glm4_moe", seed=0)
+    model.save_pretrained(folder)
+    bias = {str(i): layer.mlp.gate.e_score_correction_bias.double().numpy() for i, layer in
+            enumerate(model.model.layers) if hasattr(layer.mlp, "gate")}
+    np.random.default_rng(0).integers(0, V, 20000).astype(np.uint16).tofile(folder / "tokens.bin")
+    overrides = lambda run, **more: {**_overrides(folder, tmp_path / run), "model.hf_impl": "transformers",
+                                     "model.moe.bias_update_rate": 0.01, **more}
+    train(load_config(None, overrides("one")), fresh=True, progress=False)
+    argv = [f"--{k}={v}" for k, v in overrides("ep2", **{"parallel.ep": 2}).items()]
+    assert launch(2, [("ep2", argv, str(tmp_path / "ep2"), False)]) == {"ep2": "ok"}
+    np.testing.assert_allclose(np.array(_steps(tmp_path / "ep2")), np.array(_steps(tmp_path / "one")), rtol=REL)
+    rows = {run: [json.loads(x)["moe"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+            for run in ("one", "ep2")}
+    assert rows["ep2"] == rows["one"]
+    start = dict(bias)
+    assert rows["one"][0].keys() == bias.keys()
+    for step in rows["one"]:
+        for layer, stats in step.items():
+            load = np.array(stats["tokens_per_expert"], dtype=np.float64)
+            bias[layer] = bias[layer] + 0.01 * np.sign(load.mean() - load)
+            np.testing.assert_allclose(stats["router_bias"], bias[layer], atol=1e-5)
+    assert any(np.abs(bias[k] - start[k]).max() > 0 for k in bias)
