@@ -106,6 +106,7 @@ def training_config(cfg: ModelConfig) -> ModelConfig:
         # the knobs a transformers model takes: the experts' path, the speed of its selection bias (if it has one)
         described.moe.expert_impl = cfg.moe.expert_impl
         described.moe.bias_update_rate = cfg.moe.bias_update_rate
+        described.moe.load_balance = cfg.moe.load_balance
         return described.validate()
     _, loaded = read_hf_config(cfg.hf_path)
     loaded.hf_impl = "native"

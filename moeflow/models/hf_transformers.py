@@ -194,9 +194,11 @@ def load(folder: str | Path, device: torch.device | str = "cpu") -> nn.Module:
 
 
 def load_empty(folder: str | Path) -> nn.Module:
-    """transformers' model of `folder` with its parameters on the meta device (nothing allocated or initialised)
-    and its buffers as the modules compute them (rotary frequencies, never stored): what a rank parallelizes
-    before reading its own part of the weights (moeflow/train/hf_sharded_transformers.py)."""
+    """transformers' model of `folder` with its parameters on the meta device and its buffers as the modules
+    compute them (rotary frequencies, never stored): what a rank parallelizes before reading its own part of the
+    weights (moeflow/train/hf_sharded_transformers.py). Each parameter passes through host memory as its module
+    creates it, one at a time (uninitialised where the module uses torch.empty, as nn.Linear does), and goes to
+    the meta device as it is registered; the model's own initialisation then runs on nothing."""
     with _parameters_on_meta():
         return _build(folder)
 

@@ -154,22 +154,25 @@ def _expert_parallel_class(cls: type) -> type:
 class HFRouting:
     """What moeflow reads and updates of a transformers MoE block's routing, in the shape of its own Router: the
     tokens each (global) expert was sent in the block's last forward (`last_load`, counted from the experts
-    module's own call, before any dispatch), and the architecture's selection bias where it has one (`expert_bias`:
-    DeepSeek-V3's, GLM-4.5's ... `e_score_correction_bias`), which `update_bias` moves as moeflow's aux-loss-free
-    routers move theirs, at `bias_update_rate` (0 until the trainer sets model.moe.bias_update_rate:
-    transformers' own training leaves it fixed)."""
+    module's own call, before any dispatch), and the architecture's selection bias where it keeps one as a
+    buffer of E values (`expert_bias`: DeepSeek-V3's, GLM-4.5's ... `e_score_correction_bias`; replicated on
+    every rank, FSDP2 shards parameters only), which `update_bias` moves as moeflow's aux-loss-free routers move
+    theirs, at `bias_update_rate`. That rate is 0 for a library caller (transformers' own training leaves the bias
+    fixed); `moeflow train` sets model.moe.bias_update_rate under model.moe.load_balance = 'aux_free' (the
+    default; 0 keeps it fixed). A bias kept as a frozen parameter (Laguna's, ERNIE-4.5's) is left as it is."""
 
     last_dropped = 0.0  # dropless
 
     def __init__(self, experts: nn.Module, block: nn.Module):
         self.num_experts = _EXPERT_PARALLEL[experts][1] if experts in _EXPERT_PARALLEL else experts.num_experts
         # the bias by name: its tensor is replaced when a rank-local read gives the model storage (to_empty)
-        names = [name for name, t in (*block.named_buffers(), *block.named_parameters())
+        names = [name for name, t in block.named_buffers()
                  if name.endswith("e_score_correction_bias") and t.numel() == self.num_experts]
         # (weakly: the block holds the experts module this is kept beside)
         self._block, self._bias_name = weakref.ref(block), names[0] if names else None
         self.bias_update_rate = 0.0
-        self.last_load = self.last_selected = torch.zeros(self.num_experts)
+        device = next((p.device for p in experts.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        self.last_load = self.last_selected = torch.zeros(self.num_experts, device=device)
         experts.register_forward_pre_hook(self._count, with_kwargs=True)
 
     @property
@@ -178,7 +181,7 @@ class HFRouting:
             return None
         owner, _, name = self._bias_name.rpartition(".")
         block = self._block()
-        return getattr(block.get_submodule(owner) if owner else block, name)
+        return getattr(block.get_submodule(owner) if owner else block, name).view(-1)  # ([1, E] in some)
 
     @torch.compiler.disable
     def _count(self, module, args, kwargs) -> None:
@@ -187,13 +190,13 @@ class HFRouting:
         if len(args) == 1 and hasattr(args[0], "args"):  # its inputs hidden from FSDP2 (moeflow.parallel.expert)
             args = args[0].args
         top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
-        self.last_load = count_keys(top_k_index.reshape(-1), self.num_experts).float()
+        self.last_load = count_keys(top_k_index.reshape(-1).long(), self.num_experts).float()
         self.last_selected = self.last_load  # dropless: every selection is routed
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor) -> None:
-        if self.expert_bias is not None and self.bias_update_rate:
-            bias = self.expert_bias.to_local() if hasattr(self.expert_bias, "to_local") else self.expert_bias
+        bias = self.expert_bias
+        if bias is not None and self.bias_update_rate:
             bias += self.bias_update_rate * torch.sign(load_E.mean() - load_E).to(bias.dtype)
 
 

@@ -212,7 +212,7 @@ class PipelineRunner:
         self.autocast = autocast  # covers the whole schedule step
         self.objective = scaled_loss.loss_fn if isinstance(scaled_loss.loss_fn, MTPObjective) else None
         self.balanced = global_batch_routers({i: r for s in stages for i, r in s.routers.items()})
-        cfg = getattr(stages[0].submod, "cfg", None)  # a transformers model's routers are its own: no counting
+        cfg = getattr(stages[0].submod, "cfg", None)  # a transformers model balances with its own losses
         self.counts_first = cfg is not None and pipeline_counts_first(cfg)  # the same on every pp rank
         why = pipeline_refusal(schedule_name, SCHEDULES[schedule_name].placement == "v", dist.get_backend(pp_group),
                                self.objective.depth if self.objective else 0, self.counts_first)

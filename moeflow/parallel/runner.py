@@ -55,10 +55,11 @@ def router_layers(modules) -> dict[int, Router]:
 
     routers = {}
     for module in modules:
-        n_layers = module.cfg.n_layers if hasattr(module, "cfg") else 0
-        for name, sub in module.named_modules():
-            if isinstance(sub, Router):
-                routers[router_layer_index(name, n_layers)] = sub
+        if hasattr(module, "layers"):  # moeflow's model, or a stage of it (names 'layers.<i>...', 'mtp.<k>...')
+            n_layers = module.cfg.n_layers if hasattr(module, "cfg") else 0
+            for name, sub in module.named_modules():
+                if isinstance(sub, Router):
+                    routers[router_layer_index(name, n_layers)] = sub
         routers.update(hf_routing(module))  # transformers' MoE blocks: their routing read as a Router's
     return dict(sorted(routers.items()))
 

@@ -422,6 +422,11 @@ def _attention_parts(model: nn.Module, layers: dict[str, nn.Module], names) -> t
             raise ValueError(f"{type(model).__name__}: an attention without {'/'.join(projections)} (or latent "
                              f"attention's kv_a_proj_with_mqa/kv_b_proj) has no built-in tensor-parallel plan; "
                              f"{which}; {HOW_TO_PASS_A_PLAN}")
+        first = getattr(next(iter(layers.values())), names.attention)
+        shape = lambda a: (_is_latent(a), tuple(g for g in ATTENTION_GATES if hasattr(a, g)))  # noqa: E731
+        if shape(attention) != shape(first):  # the plan is built from the first layer's attention
+            raise ValueError(f"{type(model).__name__}: attentions of different shapes (latent, output gates) in one "
+                             f"model; layer {key}'s differs from the first's; {HOW_TO_PASS_A_PLAN}")
         for name, child in attention.named_children():
             gate_widths = (heads, heads * getattr(attention, "head_dim", 0)) if heads else ()
             if name in ATTENTION_GATES and not (isinstance(child, nn.Linear) and child.out_features in gate_widths):

@@ -91,7 +91,8 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
         bytes_read = load_owned(model, cfg.model)
     if cfg.peft.method == "lora" and device.type != "meta":
         init_lora(par.model, cfg)
-    if cfg.model.runs_transformers:  # transformers' selection biases move as moeflow's aux-loss-free routers' do
+    if cfg.model.runs_transformers and cfg.model.moe.load_balance == "aux_free":
+        # transformers' selection biases move as moeflow's aux-loss-free routers' do (model.moe.bias_update_rate)
         from moeflow.parallel.hf_experts import hf_routing
 
         for routing in hf_routing(model).values():

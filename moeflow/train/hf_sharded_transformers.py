@@ -37,10 +37,10 @@ def load_owned(model: nn.Module, folder: str | Path, device: torch.device) -> in
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
     folder = Path(folder)
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    buffers = {name: b.clone() for name, b in model.named_buffers(remove_duplicate=False)}
     model.to_empty(device=device)
     with torch.no_grad():
-        for name, b in model.named_buffers():
+        for name, b in model.named_buffers(remove_duplicate=False):
             b.copy_(buffers[name])
     state = model.state_dict()
     shapes = {name: h["shape"] for file in weight_files(folder) for name, h in read_header(file).items()}

@@ -15,7 +15,9 @@ learning rate (training.muon_adamw_lr, default training.lr).
 
 Sharded layouts (FSDP2, ZeRO-1, tp, efsdp): Newton-Schulz needs each whole matrix, so a sharded update is gathered
 on its mesh, each matrix is orthogonalised by one rank of it, and the results come back to the shards
-(`_orthogonalised`); the updates a rank holds whole are orthogonalised stacked by shape (`_LocalMatrices`).
+(`_orthogonalised`, or for updates cut over one mesh dim `_ShardedMatrices`: every pending shard in one
+all-gather, every result in one all-reduce); the updates a rank holds whole are orthogonalised stacked by shape
+(`_LocalMatrices`).
 docs/design.md, "Optimizers"; its cost per layout: moeflow.plan.optimizer.
 """
 
@@ -102,8 +104,9 @@ class _ShardedMatrices:
     rank (turn + i) mod n alone (stacked by shape, one batched Newton-Schulz per shape), and the bf16 results come
     back in one all-reduce; every rank then cuts out its shard. Two collectives per flush instead of two per
     tensor (each collective's latency, not its bytes, dominated a Muon step on small tensors); the bytes sent
-    are the per-tensor scheme's. Flushed once `PENDING_BYTES` of whole updates wait, so at most that much is
-    gathered at once."""
+    are the per-tensor scheme's. Flushed once `PENDING_BYTES` of whole updates wait, and whenever the mesh
+    changes (pending updates share one collective); a flush holds about four times that much at its peak (the
+    gathered shards, the whole matrices, the results and their sum)."""
 
     PENDING_BYTES = 64 * 2**20
 
@@ -183,7 +186,7 @@ class _ShardedMatrices:
 
 
 class _LocalMatrices:
-    """Updates this rank holds whole (one process, expert slices under ep), orthogonalised together: stacked by
+    """Updates this rank holds whole (one process, expert slices, a mesh of 1), orthogonalised together: stacked by
     matrix shape, one batched Newton-Schulz per shape (a model's many small matrices cost a fraction of one call
     each). Flushed once `PENDING_BYTES` of updates wait, so the step's extra memory stays bounded."""
 
@@ -245,8 +248,10 @@ class Muon(torch.optim.Optimizer):
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
 
         def apply(p: nn.Parameter, ortho: torch.Tensor) -> None:
-            p.mul_(1 - lr * wd)
-            p.add_(ortho.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape[-2:]))
+            # a DTensor held whole by one rank (a mesh of 1) was orthogonalised as its local tensor
+            target = p.to_local() if isinstance(p, DTensor) and not isinstance(ortho, DTensor) else p
+            target.mul_(1 - lr * wd)
+            target.add_(ortho.to(target.dtype), alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape[-2:]))
 
         local = _LocalMatrices(group["ns_steps"], apply)
         sharded = _ShardedMatrices(group["ns_steps"], apply)
@@ -263,11 +268,12 @@ class Muon(torch.optim.Optimizer):
             if _ShardedMatrices.sharded_dim(update) is not None:
                 sharded.add(p, update, turn)
                 turn += update.shape[:-2].numel()
-            elif isinstance(update, DTensor):  # several mesh dims (HSDP, FSDP over TP): one tensor at a time
+            elif isinstance(update, DTensor) and update.device_mesh.size() > 1:
+                # cut over several mesh dims (HSDP, FSDP over TP): one tensor at a time
                 ortho, turn = _orthogonalised(update, group["ns_steps"], turn)
                 apply(p, ortho)
-            else:
-                local.add(p, update)
+            else:  # held whole here: one process, expert slices, FSDP2's or TP's mesh of 1
+                local.add(p, update.to_local() if isinstance(update, DTensor) else update)
                 turn += update.shape[:-2].numel()
         sharded.flush()
         local.flush()

@@ -136,3 +136,42 @@ def test_layouts_train_the_one_process_muon_run(tmp_path, names):
 ])
 def test_what_is_not_supported_is_one_line(tmp_path, changes, world, message):
     assert_one_line(lambda: load_config(None, _overrides(tmp_path, **changes)).layout(world), message)
+
+
+def _sharded_case(_, case) -> None:
+    """Matrices of awkward shapes sharded over 2 ranks (uneven rows, an empty shard, a column cut, a 3-D experts
+    tensor) and stepped by moeflow's Muon with a tiny flush bound (several flushes a step): each equals
+    torch.optim.Muon on the whole matrix in one process, within 1% of its movement."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from moeflow.train import muon as muon_module
+
+    muon_module._ShardedMatrices.PENDING_BYTES = 256
+    mesh = init_device_mesh("cpu", (2,))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [((5, 4), Shard(0)), ((1, 3), Shard(0)), ((4, 3), Shard(1)), ((3, 4, 5), Shard(0))]
+    whole = [torch.randn(shape, generator=gen) for shape, _ in shapes]
+    grads = [[torch.randn(shape, generator=gen) for shape, _ in shapes] for _ in range(2)]
+    ours = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [cut])) for w, (_, cut) in zip(whole, shapes)]
+    opt = Muon(ours, [], lr=0.02, adamw_lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), momentum=0.9)
+    ref = [torch.nn.Parameter(m.clone()) for w in whole for m in (w.unbind(0) if w.ndim == 3 else [w])]
+    ref_opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw")
+    for step in grads:
+        for p, g in zip(ours, step):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        for q, m in zip(ref, [m for g in step for m in (g.unbind(0) if g.ndim == 3 else [g])]):
+            q.grad = m.clone()
+        opt.step()
+        ref_opt.step()
+    got = [m for p in ours for m in (p.full_tensor().unbind(0) if p.ndim == 3 else [p.full_tensor()])]
+    start = [m for w in whole for m in (w.unbind(0) if w.ndim == 3 else [w])]
+    for a, b, a0 in zip(got, ref, start):
+        assert (a - b).norm() <= 0.01 * (b - a0).norm(), (a - b).norm() / (b - a0).norm()
+
+
+def test_sharded_matrices_of_awkward_shapes_step_as_torch_optim_muon():
+    from tests.support.dist_harness import check_results, launch
+
+    cases = [("awkward shards", )]
+    check_results(launch(2, cases, _sharded_case), cases)
