@@ -77,12 +77,26 @@ def init_distributed(device_pref: str = "auto", timeout_s: float = 300, run_dir:
     if use_cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
+        _warn_shared_store(rank)
         if use_cuda and run_dir is not None:
             set_flight_recorder_env(run_dir)
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
         )
     return DistInfo(rank, world, local_rank, device)
+
+
+def _warn_shared_store(rank: int) -> None:
+    """torchrun agents on several machines share their TCP store with the ranks unless told not to; a rank started
+    again after a failure can then read a dead rank's address from the previous attempt and fail to connect or
+    hang (pytorch/pytorch#135712). moeflow's own launcher unshares it; a hand-written torchrun line needs it set."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    agents = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if rank == 0 and restarts > 0 and agents > 1 and shared:
+        print("moeflow train: torchrun restarts ranks but shares its store with them, so a restarted rank can read "
+              "a dead rank's address and hang (pytorch/pytorch#135712); start torchrun with "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment", file=sys.stderr)
 
 
 def barrier() -> None:

@@ -36,7 +36,8 @@ def _losses(run_dir) -> np.ndarray:
 
 
 def _two_agents(run_dir, *more, faults=None) -> list[subprocess.CompletedProcess]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # As the README says: without it a restarted rank can read a dead rank's address (pytorch/pytorch#135712).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if faults:
         env["MOEFLOW_TEST_FAULTS"] = json.dumps(faults)
     port = _port()

@@ -321,3 +321,17 @@ def test_a_rank_reading_a_collective_back_counts_as_waiting_in_it(monkeypatch):
     read_after_collective(torch.zeros(2))
     assert seen[0].startswith("waiting in the collective read_after_collective (moeflow/train/distributed.py:"), seen
     assert _waiting_in(sys._getframe()).startswith("not in a collective")
+
+
+def test_a_multi_machine_launch_with_restarts_and_a_shared_store_is_warned(monkeypatch, capsys):
+    from moeflow.train.distributed import _warn_shared_store
+
+    env = {"TORCHELASTIC_MAX_RESTARTS": "1", "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _warn_shared_store(rank=0)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().err
+    _warn_shared_store(rank=1)  # one line per job
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # unshared: each attempt has a store of its own
+    _warn_shared_store(rank=0)
+    assert capsys.readouterr().err == ""
