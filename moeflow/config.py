@@ -559,7 +559,7 @@ class JobConfig:
         dims = ParallelDims(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
                             zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp, cp=p.cp)
         dims.check_model(self.model)
-        if self.model.runs_transformers and (dims.tp > 1 or dims.pp > 1):
+        if self.model.runs_transformers and (dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
             self._check_transformers_layout(dims)
         dims.check_sequence(self.data.seq_len)
         if self.profile.enabled and max(self.profiled_ranks() or [0]) >= world_size:
@@ -579,14 +579,16 @@ class JobConfig:
 
 
     def _check_transformers_layout(self, dims: ParallelDims) -> None:
-        """Tensor and pipeline parallelism of transformers' own modules: the built-in plan places every module of
-        this architecture, and its model splits into stages (checked on the meta device: nothing is read)."""
+        """Tensor, pipeline and context parallelism of transformers' own modules: the built-in plan places every
+        module of this architecture, its model splits into stages, its attention takes split sequences (checked on
+        the meta device: nothing is read)."""
         from moeflow.models.hf_transformers import architecture_of, load
         from moeflow.parallel.adapter import adapter_for
         from moeflow.parallel.tensor import check_plan_covers, tp_plan
 
         model = load(self.model.hf_path, "meta")
-        setting = " x ".join(f"parallel.{k} = {v}" for k, v in (("tp", dims.tp), ("pp", dims.pp)) if v > 1)
+        sizes = (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp))
+        setting = " x ".join(f"parallel.{k} = {v}" for k, v in sizes if v > 1)
         try:
             adapter_for(model).check(dims)
             if dims.tp > 1:  # the built-in plan places every module (a run passes no plan of its own)

@@ -120,8 +120,6 @@ class ParallelDims:
     # ---- rules against the model and the batch ---------------------------------------------------------
     def check_model(self, cfg: ModelConfig) -> None:
         """The sizes against a moeflow model config (a Hugging Face model object is checked by parallelize)."""
-        if cfg.runs_transformers:
-            self._check_transformers_model(cfg)
         if self.ep > 1 and not cfg.is_moe:
             raise ValueError(f"parallel.ep = {self.ep} needs an MoE model; model {cfg.name!r} is dense")
         if cfg.is_moe and cfg.moe.num_experts % self.expert_parallel:
@@ -167,16 +165,6 @@ class ParallelDims:
         if cfg.mtp_depth and self.cp > 1:
             raise ValueError(f"model.mtp_depth = {cfg.mtp_depth} with parallel.cp = {self.cp} is not supported yet "
                              f"(multi-token prediction shifts whole sequences, which cp splits); use cp = 1")
-
-    def _check_transformers_model(self, cfg: ModelConfig) -> None:
-        """What transformers' own modules (model.hf_impl = 'transformers') cannot take yet, named before any rank
-        starts (parallelize's adapter checks the same of a model object; JobConfig.layout checks tensor and
-        pipeline parallelism against the architecture's modules)."""
-        instead = ("model.hf_impl = 'native' where moeflow maps the architecture (core/hf_arch.py), or use ep and "
-                   "data parallelism")
-        if self.cp > 1:
-            raise ValueError(f"parallel.cp = {self.cp} for {cfg.hf_path} on transformers' own modules: context "
-                             f"parallelism needs moeflow's model; use {instead}")
 
     def _check_tp_widths(self, cfg: ModelConfig) -> None:
         """tp divides the widths tensor parallelism shards: heads, kv heads and the dense FFN width (MoE layers

@@ -148,6 +148,7 @@ class HuggingFaceAdapter(ModelAdapter):
     family = "huggingface"
     names = HF_NAMES
     supports_pp = True  # one stage per rank (moeflow.parallel.hf_pipeline)
+    supports_cp = True  # through transformers' attention interface (moeflow.parallel.hf_context)
 
     @property
     def hf_config(self):
@@ -179,10 +180,12 @@ class HuggingFaceAdapter(ModelAdapter):
             why = hf_pipeline_refusal(self.model, dims.pp_schedule)
             if why:
                 raise ValueError(why)
-            if dims.tp > 1:
-                raise ValueError(f"parallel.tp = {dims.tp} with parallel.pp = {dims.pp} for {name}: tensor and "
-                                 f"pipeline parallelism together are supported for moeflow models only yet; use one "
-                                 f"of them (with ep and data parallelism)")
+        if dims.cp > 1:
+            from moeflow.parallel.hf_context import hf_context_refusal
+
+            why = hf_context_refusal(self.model)
+            if why:
+                raise ValueError(why)
         if dims.ep > 1 and not (self.has_moe or self.has_hf_experts):
             raise ValueError(f"parallel.ep = {dims.ep} but {name} has no experts module (neither transformers' "
                              f"experts interface nor a moeflow MoE layer); use ep = 1")

@@ -145,6 +145,11 @@ def build_hf_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, schedul
     return [model]
 
 
+def is_placeholder(module: nn.Module | None) -> bool:
+    """A part a pipeline stage does not hold (another stage's embedding, final norm or head)."""
+    return isinstance(module, NoEmbedding | nn.Identity)
+
+
 def is_skipped(layer: nn.Module) -> bool:
     return isinstance(layer, SkippedLayer)
 

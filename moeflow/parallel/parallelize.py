@@ -126,10 +126,15 @@ def context_parallel(b: _Build) -> None:
     care. Its loss scale counts the targets of the whole sequences."""
     if b.dims.cp > 1:
         from moeflow.parallel.context import apply_context_parallel
+        from moeflow.parallel.hf_context import apply_hf_context_parallel
         from moeflow.parallel.mesh import cp_mesh
 
         b.state.cp_mesh = cp_mesh(b.state.mesh, b.dims)
-        b.token_scale = apply_context_parallel(b.stages, b.state.cp_mesh)
+        if b.adapter.family == "huggingface":  # transformers' attention modules: through its attention interface
+            (stage,) = b.stages
+            b.token_scale = apply_hf_context_parallel(stage, b.state.cp_mesh)
+        else:
+            b.token_scale = apply_context_parallel(b.stages, b.state.cp_mesh)
 
 
 def fp8(b: _Build) -> None:

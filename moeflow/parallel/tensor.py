@@ -471,10 +471,13 @@ def _qk_norm_style(attention: nn.Module, q_norm_name: str, names) -> ParallelSty
 
 
 def _module(model: nn.Module, path: str) -> nn.Module | None:
-    """The submodule at a dotted path, or None where any part is missing (or None: a pipeline stage's)."""
+    """The submodule at a dotted path, or None where any part is missing (None in a moeflow pipeline stage, a
+    placeholder in a transformers one)."""
+    from moeflow.parallel.hf_pipeline import is_placeholder
+
     for part in path.split("."):
         model = getattr(model, part, None)
-        if model is None:
+        if model is None or is_placeholder(model):
             return None
     return model
 

@@ -24,6 +24,9 @@ own modules (model.hf_impl = 'transformers'):
               rank starts)
   pp=2        two pipeline stages (GPipe, 2 micro-batches): the same check as dp=2 where moeflow takes the layout,
               else its one-line refusal
+  cp=2        context parallelism (each rank keeps two of the four chunks of every sequence; keys and values
+              all-gathered in transformers' attention interface, moeflow/parallel/hf_context.py) with FSDP2
+              over both ranks: the same check as dp=2 where moeflow takes the layout, else its one-line refusal
 
 Each cell is "ok" or the reason it is not; a mismatch is a failure, never a cell. Relative tolerance REL on
 every comparison (fp32; the summation order differs between layouts, nothing else).
@@ -43,7 +46,7 @@ import torch.distributed as dist
 REL = 1e-5
 STEPS = 2
 S = 12
-CAPABILITIES = ("ep=2", "read", "dp=2", "export", "generate", "native", "tp=2", "pp=2")
+CAPABILITIES = ("ep=2", "read", "dp=2", "export", "generate", "native", "tp=2", "pp=2", "cp=2")
 
 
 def _loss(model, ids: torch.Tensor) -> torch.Tensor:
@@ -149,6 +152,9 @@ def cover(arch: str, work: Path) -> dict[str, str]:
     cells["pp=2"] = _refusal(folder, pp=2, pp_schedule="GPipe").replace(str(folder), arch)
     if cells["pp=2"] == "ok":  # taken: two stages (a layer each at least) train as one process does
         _train_pipeline(copy.deepcopy(ref), moeflow.ParallelDims(2, pp=2, pp_schedule="GPipe"), batches)
+    cells["cp=2"] = _refusal(folder, cp=2).replace(str(folder), arch)
+    if cells["cp=2"] == "ok":  # taken: both ranks' halves of every sequence train as one process does
+        _train_context(copy.deepcopy(ref), moeflow.ParallelDims(2, cp=2, zero=3), batches)
     return cells
 
 
@@ -193,6 +199,29 @@ def _train_pipeline(ref: torch.nn.Module, dims, batches: list[torch.Tensor]) -> 
         ref_loss.backward()
         loss = state.runner.train_step(ids[:, :-1], ids[:, 1:])
         _close(float(loss), ref_loss.item(), f"pipeline loss at step {step}")
+        want = torch.stack([p.grad.pow(2).sum() for p in ref.parameters() if p.grad is not None]).sum().sqrt()
+        _close(float(clip_grad_norm_(state.model, float("inf"), state)), float(want), f"grad norm at step {step}")
+        for opt in (opt_ref, opt_par):
+            opt.step()
+            opt.zero_grad()
+
+
+def _train_context(ref: torch.nn.Module, dims, batches: list[torch.Tensor]) -> None:
+    """STEPS AdamW steps with every sequence split over the cp ranks (the runner's default loss scale: cp / the
+    targets of the whole sequences), each step's mean loss and gradient norm checked against `ref`."""
+    import moeflow
+    from moeflow.parallel.grads import clip_grad_norm_
+
+    state = moeflow.parallelize(copy.deepcopy(ref), dims)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    opt_par = torch.optim.AdamW(state.model.parameters(), lr=1e-3, weight_decay=0.1)
+    for step, ids in enumerate(batches):
+        ref_loss = _loss(ref, ids)
+        ref_loss.backward()
+        loss = state.runner.train_step(state.local_sequence(ids[:, :-1]), state.local_sequence(ids[:, 1:]))
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        _close(float(mean) / dist.get_world_size(), ref_loss.item(), f"context-parallel loss at step {step}")
         want = torch.stack([p.grad.pow(2).sum() for p in ref.parameters() if p.grad is not None]).sum().sqrt()
         _close(float(clip_grad_norm_(state.model, float("inf"), state)), float(want), f"grad norm at step {step}")
         for opt in (opt_ref, opt_par):

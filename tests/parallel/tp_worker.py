@@ -441,10 +441,12 @@ def case_bad_inputs():
             "parallel.tp (8) must divide model.n_heads (4)")
     _expect(lambda: adapter_for(hf_model("llama")).check_tp_widths(3),
             "num_attention_heads (4) in the Hugging Face config")
-    # context parallelism needs moeflow's attention core; refused before any group or swap
-    _expect(lambda: moeflow.parallelize(hf_model("llama"), ParallelDims(world, cp=2)),
-            "parallel.cp = 2 for a LlamaForCausalLM",
-            "moeflow.models.hf.from_pretrained")
+    # context parallelism of layers that are not attention (Qwen3-Next's linear attention): refused before any
+    # group or swap
+    from tests.support.hf_tiny import tiny_model
+
+    _expect(lambda: moeflow.parallelize(tiny_model("qwen3_next"), ParallelDims(world, cp=2)),
+            "Qwen3NextForCausalLM: its linear_attention layers are not full, sliding-window or chunked attention")
     # a Linear no pattern covers, in a block or in its attention
     model = moeflow_model("dense")
     model.layers["1"].gate = nn.Linear(32, 4)

@@ -75,8 +75,8 @@ def test_the_run_is_transformers_model_from_its_first_loss(folder, tmp_path):
 
 def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_path):
     """ep=2 (FSDP2 over the same ranks), dp=2 ZeRO-3, ep=2 with every block recomputed, tp=2 (the MoE folded over
-    tp, the attention sinks sharded with their heads), pp=2 (a layer per stage), and ep=2 stopped at step 2 then
-    resumed in one process:
+    tp, the attention sinks sharded with their heads), pp=2 (a layer per stage), cp=2 (each sequence's halves,
+    the sliding window reaching across them), and ep=2 stopped at step 2 then resumed in one process:
     every step's loss and gradient norm equal the one-process run's; then the export loads in transformers with
     `moeflow eval`'s loss, and `moeflow generate` gives transformers' greedy tokens."""
     from moeflow.cli import main as cli_main
@@ -91,6 +91,7 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
                           str(tmp_path / "ep2-recompute"), False),
                          ("tp2", argv("tp2", **{"parallel.tp": 2}), str(tmp_path / "tp2"), False),
                          ("pp2", argv("pp2", **{"parallel.pp": 2}), str(tmp_path / "pp2"), False),
+                         ("cp2", argv("cp2", **{"parallel.cp": 2}), str(tmp_path / "cp2"), False),
                          ("stop", argv("stop", **{"parallel.ep": 2, "training.stop_at": 2}), str(tmp_path / "stop"),
                           False)])
     assert set(results.values()) == {"ok"}, results
@@ -126,7 +127,7 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
 
 @pytest.mark.parametrize("changes, message", [
     ({"parallel.pp": 2}, None),  # taken: one stage per rank
-    ({"parallel.cp": 2}, r"parallel.cp = 2 .* context parallelism needs moeflow's model"),
+    ({"parallel.cp": 2}, None),  # taken: through transformers' attention interface
     ({"parallel.tp": 2}, None),  # taken: the MoE folded over tp
     ({"parallel.tp": 2, "data.seq_len": 15}, r"data.seq_len \(15\) must be divisible by parallel.tp \(2\)"),
     ({"training.fp8": "tensorwise"}, r"training.fp8 = 'tensorwise' for .* on transformers' own modules"),
@@ -208,12 +209,15 @@ def test_compiled_blocks_under_expert_parallelism_train_the_one_process_run(fold
 @pytest.mark.slow
 def test_four_rank_layouts_train_the_one_process_run(folder, tmp_path):
     """On transformers' modules: ep=2 inside dp_shard=4 (each expert FSDP-sharded over the 2 ranks that hold it),
-    pp=2 x ep=2 (each stage's experts over its 2 ranks) and tp=2 x ep=2 (the MoE folded over ep x tp = 4 ranks)."""
+    pp=2 x ep=2 (each stage's experts over its 2 ranks), tp=2 x ep=2 (the MoE folded over ep x tp = 4 ranks),
+    tp=2 x pp=2 (each stage's heads and folded experts over its tp pair), cp=2 x ep=2 (EP over the ranks that
+    hold a sequence's halves) and cp=2 x pp=2."""
     from tests.parallel.layout_worker import launch
 
     train(load_config(None, _overrides(folder, tmp_path / "one")), fresh=True, progress=False)
     runs = {"ep2dp4": {"parallel.ep": 2}, "pp2ep2": {"parallel.pp": 2, "parallel.ep": 2},
-            "tp2ep2": {"parallel.tp": 2, "parallel.ep": 2}}
+            "tp2ep2": {"parallel.tp": 2, "parallel.ep": 2}, "tp2pp2": {"parallel.tp": 2, "parallel.pp": 2},
+            "cp2ep2": {"parallel.cp": 2, "parallel.ep": 2}, "cp2pp2": {"parallel.cp": 2, "parallel.pp": 2}}
     cases = [(run, [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / run, **more).items()], str(tmp_path / run),
               False) for run, more in runs.items()]
     assert launch(4, cases) == {run: "ok" for run in runs}

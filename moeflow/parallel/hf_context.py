@@ -1,0 +1,149 @@
+"""Context parallelism of transformers' own attention modules: the layout and the key/value all-gather of
+moeflow.parallel.context, reached through transformers' attention and mask interfaces instead of a class swap.
+
+transformers' attention modules compute q, k and v (RoPE applied from the position ids they are given) and hand
+them, with the mask the model built for the layer, to `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`;
+the model builds its masks through `ALL_MASK_ATTENTION_FUNCTIONS[...]` from a mask function of (batch, head,
+query index, key index) that says what the architecture wants (causal, a sliding window, chunks, ...).
+`apply_hf_context_parallel` registers one of each and points the model at them:
+- the decoder receives the global positions of this rank's two chunks (a forward pre-hook fills `position_ids`)
+  and an all-ones padding mask of the whole sequence's length, so RoPE rotates every token as in the whole
+  sequence and transformers sizes the keys of each mask at S (and reads no packing into the positions' jump);
+- the mask function evaluates the architecture's own mask function at the global positions of this rank's
+  queries against all S keys: None where that is plain causal attention, else the [B, 1, L, S] boolean mask;
+- the attention function all-gathers keys and values over the cp group, then lets each local query attend to
+  the keys before it (context.context_parallel_attention) where the mask is None and the layer has no attention
+  sinks or logit soft-cap, else computes the masked attention over the gathered keys itself.
+So each layer attends as transformers' own mask says, by construction. Architectures with layers that are not
+attention of this kind (linear attention, Mamba, convolutions, a sparse-attention indexer) are refused
+(`hf_context_refusal`).
+
+Shape suffixes as in moeflow.parallel.context: B batch, H query heads, Hk key/value heads, L local tokens, S whole
+sequence, Dk query/key width, Dv value width.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeflow.parallel.context import (
+    ContextParallelTokenScale,
+    _GatherSequence,
+    _sequence_order,
+    context_parallel_attention,
+    local_positions,
+)
+
+ATTENTION = "moeflow_context_parallel"
+# layer kinds whose mixing along the sequence is attention under a mask transformers builds, or none at all
+_SPLITTABLE_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "mlp", "moe"}
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> its cp process group
+_QUERIES: list[torch.Tensor] = []  # the global positions [L] of the forward under way (set by its pre-hook)
+
+
+def hf_context_refusal(model: nn.Module) -> str | None:
+    """Why this transformers model cannot split its sequences over cp ranks (None when it can)."""
+    cfg = model.config.get_text_config()
+    others = sorted(set(getattr(cfg, "layer_types", None) or []) - _SPLITTABLE_LAYERS)
+    if others:
+        return (f"{type(model).__name__}: its {', '.join(others)} layers are not full, sliding-window or chunked "
+                f"attention, the kinds context parallelism splits here; use cp = 1")
+    return None
+
+
+def apply_hf_context_parallel(model: nn.Module, cp_mesh) -> ContextParallelTokenScale:
+    """Make `model` (a transformers causal LM, or its pipeline stage) compute over this rank's chunks of each
+    sequence with the other ranks of the 1-D `cp_mesh`; returns the runner's loss scale (as context.py's)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    why = hf_context_refusal(model)
+    if why:
+        raise ValueError(why)
+    group, rank, cp = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
+    AttentionInterface.register(ATTENTION, _attention)
+    AttentionMaskInterface.register(ATTENTION, _mask)
+    for module in model.modules():
+        _GROUPS[module] = group
+    model.set_attn_implementation(ATTENTION)
+
+    def whole_sequence(decoder, args, kwargs):
+        if kwargs.get("position_ids") is not None or kwargs.get("attention_mask") is not None:
+            raise ValueError("context parallelism gives each rank the positions of its chunks itself; packed or "
+                             "padded rows (data.packing) need parallel.cp = 1")
+        tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+        B, L = tokens.shape[:2]
+        positions = local_positions(L * cp, rank, cp, device=tokens.device)
+        _QUERIES[:] = [positions]
+        ones = torch.ones(B, L * cp, dtype=torch.long, device=tokens.device)
+        return args, {**kwargs, "position_ids": positions.expand(B, L), "attention_mask": ones}
+
+    model.model.register_forward_pre_hook(whole_sequence, with_kwargs=True)
+    return ContextParallelTokenScale(group)
+
+
+def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+          mask_function=None, device=None, **kwargs) -> torch.Tensor | None:
+    """transformers' mask-interface signature: the architecture's `mask_function` at this rank's global query
+    positions against the whole sequence's keys; None where it is plain causal attention."""
+    from transformers.masking_utils import causal_mask_function
+
+    (q_pos_L,) = _QUERIES
+    if q_offset or kv_offset or q_length != len(q_pos_L):
+        raise ValueError("context parallelism splits whole sequences; a KV cache needs parallel.cp = 1")
+    mask_function = mask_function or causal_mask_function
+    index = lambda n, dim: torch.arange(n, device=device).view([-1 if d == dim else 1 for d in range(4)])
+    q_pos = q_pos_L.to(device).view(1, 1, -1, 1)
+    seen = mask_function(index(batch_size, 0), index(1, 1), q_pos, index(kv_length, 3))
+    if torch.equal(seen, causal_mask_function(0, 0, q_pos, index(kv_length, 3))):
+        return None
+    return seen.expand(batch_size, 1, q_length, kv_length)
+
+
+def _attention(module: nn.Module, q_BHLDk: torch.Tensor, k_BHkLDk: torch.Tensor, v_BHkLDv: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+               softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
+    """transformers' attention-function signature (`attention_mask` from `_mask`: None or [B, 1, L, S]);
+    returns ([B, L, H, Dv], no weights)."""
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} under context parallelism; set the architecture's "
+                         f"attention_dropout to 0 or use parallel.cp = 1")
+    group = _GROUPS[module]
+    if attention_mask is None and softcap is None and s_aux is None:
+        out_BHLDv = context_parallel_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, scaling)
+    else:
+        out_BHLDv = _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, attention_mask, scaling, softcap, s_aux)
+    return out_BHLDv.transpose(1, 2).contiguous(), None
+
+
+def _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, seen_B1LS, scaling, softcap, sinks_H):
+    """Attention of this rank's queries over the gathered keys with the mask written out (`seen_B1LS`, or plain
+    causal where None), scores soft-capped, and a per-head sink logit in the softmax's denominator (gpt-oss).
+    The [B, H, L, S] scores are materialised: the exact path, not the fast one."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    L, Dk = q_BHLDk.shape[2], k_BHkLDk.shape[-1]
+    kv_BHkSD = _GatherSequence.apply(torch.cat([k_BHkLDk, v_BHkLDv], dim=-1), group)
+    kv_BHkSD = kv_BHkSD.index_select(2, _sequence_order(cp, L // 2, q_BHLDk.device))
+    k_BHkSDk, v_BHkSDv = kv_BHkSD.split([Dk, v_BHkLDv.shape[-1]], dim=-1)
+    S, repeat = k_BHkSDk.shape[2], q_BHLDk.shape[1] // k_BHkSDk.shape[1]
+    k_BHSDk, v_BHSDv = k_BHkSDk.repeat_interleave(repeat, dim=1), v_BHkSDv.repeat_interleave(repeat, dim=1)
+    if seen_B1LS is None:
+        q_pos_L1 = local_positions(S, rank, cp, device=q_BHLDk.device)[:, None]
+        seen_B1LS = (torch.arange(S, device=q_BHLDk.device)[None, :] <= q_pos_L1)[None, None]
+    scale = Dk ** -0.5 if scaling is None else scaling
+    scores_BHLS = (q_BHLDk @ k_BHSDk.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores_BHLS = softcap * torch.tanh(scores_BHLS / softcap)
+    scores_BHLS = scores_BHLS.masked_fill(~seen_B1LS, float("-inf"))
+    if sinks_H is None:
+        probs_BHLS = scores_BHLS.softmax(dim=-1)
+    else:
+        B, H = scores_BHLS.shape[:2]
+        sinks_BHL1 = sinks_H.float().reshape(1, H, 1, 1).expand(B, H, L, 1)
+        logits = torch.cat([scores_BHLS, sinks_BHL1], dim=-1)
+        probs_BHLS = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
+    return probs_BHLS.to(v_BHSDv.dtype) @ v_BHSDv

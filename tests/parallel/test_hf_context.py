@@ -1,0 +1,94 @@
+"""Context parallelism of transformers' own attention modules (moeflow/parallel/hf_context.py) against
+transformers' model in one process on the whole batch, four gloo ranks in one launch:
+
+- gpt-oss at cp = 4 (sequences of 16 in 8 chunks of 2): a sliding window of 3 on every other layer, which
+  reaches across chunk boundaries, and attention sinks - the written-out masked path;
+- Mixtral with a window of 5 at cp = 2 x ep = 2, its experts split over ranks that hold different chunks;
+- DeepSeek-V3 at cp = 2 x tp = 2 (latent attention, keys wider than values; sequence parallelism inside each
+  chunk, the MoE folded over tp), the plain causal path;
+each trains two AdamW steps with the one-process losses and gradient norms. The refusals are checked alone."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+from tests.support.dist_harness import check_results, launch  # noqa: E402
+from tests.support.hf_models import V, hf_configs, randomize  # noqa: E402
+
+S = 16
+
+
+def _config(arch: str):
+    if arch == "gpt_oss":
+        return transformers.GptOssConfig(
+            vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=3,
+            max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"])
+    if arch == "mixtral":
+        cfg = hf_configs()["mixtral"]
+        cfg.sliding_window = 5
+        return cfg
+    return hf_configs()[arch]
+
+
+def case_trains_as_one_process(arch: str, steps: int = 2, **sizes) -> None:
+    import moeflow
+    from moeflow.parallel.grads import clip_grad_norm_
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_config(arch)).float()
+    randomize(ref, seed=1)
+    dims = moeflow.ParallelDims(world, zero=3, **sizes)
+    state = moeflow.parallelize(copy.deepcopy(ref), dims)
+    ids = torch.randint(0, V, (2 * dims.dp, S + 1))
+    rows = slice(2 * state.dp_rank, 2 * state.dp_rank + 2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    opt_par = torch.optim.AdamW(state.model.parameters(), lr=1e-3, weight_decay=0.1)
+    for step in range(steps):
+        logits = ref(ids[:, :-1]).logits
+        ref_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        ref_loss.backward()
+        # the trainer's scale: (dp x cp) / the targets of the global batch; each rank's loss is then its share
+        scale = dims.dp * dims.cp / ids[:, 1:].numel()
+        loss = state.runner.train_step(state.local_sequence(ids[rows, :-1]), state.local_sequence(ids[rows, 1:]),
+                                       loss_scale=scale)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        # the tp ranks of one (dp, cp) rank hold the same loss
+        torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=1e-5, atol=0, msg=f"loss at {step}")
+        want = torch.stack([p.grad.pow(2).sum() for p in ref.parameters()]).sum().sqrt()
+        torch.testing.assert_close(clip_grad_norm_(state.model, float("inf"), state), want, rtol=1e-5, atol=0,
+                                   msg=f"grad norm at {step}")
+        for opt in (opt_ref, opt_par):
+            opt.step()
+            opt.zero_grad()
+
+
+def _run(_, case) -> None:
+    name, fn, kwargs = case
+    fn(**kwargs)
+
+
+@pytest.mark.timeout(240)
+def test_hf_context_parallel_layouts_equal_one_process():
+    cases = [("gpt_oss cp=4 windows and sinks", case_trains_as_one_process, dict(arch="gpt_oss", cp=4)),
+             ("mixtral cp=2 x ep=2 window", case_trains_as_one_process, dict(arch="mixtral", cp=2, ep=2)),
+             ("deepseek_v3 cp=2 x tp=2", case_trains_as_one_process, dict(arch="deepseek_v3", cp=2, tp=2))]
+    check_results(launch(4, cases, _run, timeout_s=200), cases)
+
+
+def test_architectures_whose_attention_cannot_be_split_are_refused_in_one_line():
+    from moeflow.parallel.hf_context import hf_context_refusal
+    from tests.support.hf_tiny import tiny_model
+
+    assert hf_context_refusal(tiny_model("gpt_oss")) is None
+    why = hf_context_refusal(tiny_model("qwen3_next"))
+    assert "linear_attention layers are not full, sliding-window or chunked attention" in why
+    assert "layers are not full" in hf_context_refusal(tiny_model("jamba"))  # its Mamba layers
