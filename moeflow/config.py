@@ -468,9 +468,6 @@ class JobConfig:
         if self.peft.method != "none":
             raise ValueError("training.optimizer = 'muon' with peft.method = 'lora' is not supported yet; use "
                              "training.optimizer = 'adamw' for a LoRA run")
-        if self.model.runs_transformers:
-            raise ValueError(f"training.optimizer = 'muon' on transformers' own modules ({self.model.hf_path}) is "
-                             f"not supported yet; use model.hf_impl = 'native' where moeflow maps the architecture")
         self._validate_muon_clip()
 
     def _validate_muon_clip(self) -> None:
@@ -479,7 +476,8 @@ class JobConfig:
             raise ValueError(f"training.muon_clip = {t.muon_clip}; use a positive threshold (Kimi K2: 100) or 0 (off)")
         if not t.muon_clip:
             return
-        why = ("MLA splits each head in parts a per-head query scale does not bound" if m.attention == "mla" else
+        why = ("transformers' own modules do not record the attention logits" if m.runs_transformers else
+               "MLA splits each head in parts a per-head query scale does not bound" if m.attention == "mla" else
                f"model.qk_norm = {m.qk_norm!r} renormalises the queries a clip would scale" if m.qk_norm != "none"
                else "context parallelism splits the keys each head's largest logit needs" if self.parallel.cp > 1
                else "the multi-token-prediction blocks' attention is not clipped yet" if m.mtp_depth

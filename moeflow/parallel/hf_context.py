@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeflow.models.layers import autocast_input
 from moeflow.parallel.context import (
     ContextParallelTokenScale,
     _GatherSequence,
@@ -48,10 +49,16 @@ _QUERIES: list[torch.Tensor] = []  # the global positions [L] of the forward und
 def hf_context_refusal(model: nn.Module) -> str | None:
     """Why this transformers model cannot split its sequences over cp ranks (None when it can)."""
     cfg = model.config.get_text_config()
+    name = type(model).__name__
     others = sorted(set(getattr(cfg, "layer_types", None) or []) - _SPLITTABLE_LAYERS)
     if others:
-        return (f"{type(model).__name__}: its {', '.join(others)} layers are not full, sliding-window or chunked "
-                f"attention, the kinds context parallelism splits here; use cp = 1")
+        return (f"{name}: its {', '.join(others)} layers are not full, sliding-window or chunked attention, the "
+                f"kinds context parallelism splits here; use cp = 1")
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in ("dynamic", "longrope"):  # the tables follow max(position_ids), which differs between cp ranks
+        return f"{name}: {rope} RoPE scales by the longest position a rank holds, which cp splits; use cp = 1"
+    if getattr(cfg, "attn_temperature_tuning", False):  # Llama 4 scales queries by arange(local length)
+        return f"{name}: attention temperature tuning reads the local positions, not the sequence's; use cp = 1"
     return None
 
 
@@ -70,6 +77,10 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh) -> ContextParallelToken
     for module in model.modules():
         _GROUPS[module] = group
     model.set_attn_implementation(ATTENTION)
+    if model.config.get_text_config()._attn_implementation != ATTENTION:  # transformers only warns when it cannot
+        raise ValueError(f"{type(model).__name__}: transformers kept attention implementation "
+                         f"{model.config.get_text_config()._attn_implementation!r}; context parallelism needs its "
+                         f"own; use cp = 1")
 
     def whole_sequence(decoder, args, kwargs):
         if kwargs.get("position_ids") is not None or kwargs.get("attention_mask") is not None:
@@ -80,7 +91,7 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh) -> ContextParallelToken
         positions = local_positions(L * cp, rank, cp, device=tokens.device)
         _QUERIES[:] = [positions]
         ones = torch.ones(B, L * cp, dtype=torch.long, device=tokens.device)
-        return args, {**kwargs, "position_ids": positions.expand(B, L), "attention_mask": ones}
+        return args, {**kwargs, "position_ids": positions.expand(B, L), "attention_mask": ones, "use_cache": False}
 
     model.model.register_forward_pre_hook(whole_sequence, with_kwargs=True)
     return ContextParallelTokenScale(group)
@@ -93,13 +104,14 @@ def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_
     from transformers.masking_utils import causal_mask_function
 
     (q_pos_L,) = _QUERIES
-    if q_offset or kv_offset or q_length != len(q_pos_L):
+    if q_offset or kv_offset or q_length != len(q_pos_L) or kv_length <= q_pos_L.max():
         raise ValueError("context parallelism splits whole sequences; a KV cache needs parallel.cp = 1")
     mask_function = mask_function or causal_mask_function
     index = lambda n, dim: torch.arange(n, device=device).view([-1 if d == dim else 1 for d in range(4)])
     q_pos = q_pos_L.to(device).view(1, 1, -1, 1)
     seen = mask_function(index(batch_size, 0), index(1, 1), q_pos, index(kv_length, 3))
-    if torch.equal(seen, causal_mask_function(0, 0, q_pos, index(kv_length, 3))):
+    if kwargs.get("allow_is_causal_skip", True) and torch.equal(seen, causal_mask_function(0, 0, q_pos,
+                                                                                         index(kv_length, 3))):
         return None
     return seen.expand(batch_size, 1, q_length, kv_length)
 
@@ -126,6 +138,8 @@ def _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, seen_B1LS, scaling, so
     The [B, H, L, S] scores are materialised: the exact path, not the fast one."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     L, Dk = q_BHLDk.shape[2], k_BHkLDk.shape[-1]
+    # as the plain path does: the gather's dtype is the same on every rank, whichever path each takes
+    q_BHLDk, k_BHkLDk, v_BHkLDv = (autocast_input(t) for t in (q_BHLDk, k_BHkLDk, v_BHkLDv))
     kv_BHkSD = _GatherSequence.apply(torch.cat([k_BHkLDk, v_BHkLDv], dim=-1), group)
     kv_BHkSD = kv_BHkSD.index_select(2, _sequence_order(cp, L // 2, q_BHLDk.device))
     k_BHkSDk, v_BHkSDv = kv_BHkSD.split([Dk, v_BHkLDv.shape[-1]], dim=-1)

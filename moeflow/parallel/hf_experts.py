@@ -59,6 +59,11 @@ def expert_tensor_names(module: nn.Module) -> list[str]:
     return [name for name, _ in module.named_parameters()]
 
 
+def global_num_experts(module: nn.Module) -> int:
+    """The experts of a transformers experts module over all ranks (its `num_experts` counts this rank's)."""
+    return _EXPERT_PARALLEL[module][1] if module in _EXPERT_PARALLEL else module.num_experts
+
+
 def hf_expert_slices(model: nn.Module) -> dict[str, tuple[int, int]]:
     """{fqn of an expert tensor: (first global expert id held here, experts held here)} of every transformers
     experts module (the checkpoint stores experts one per key, so that it reshards over ep)."""

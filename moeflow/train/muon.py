@@ -33,7 +33,8 @@ NS_EPS = 1e-7
 
 
 def muon_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(Muon's, AdamW's) trainable parameters, by what they are (module docstring)."""
+    """(Muon's, AdamW's) trainable parameters, by what they are (module docstring), in a moeflow model or in
+    transformers' own modules."""
     from moeflow.models.moe import Router
 
     adamw_ids = set()
@@ -41,14 +42,35 @@ def muon_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Param
         if isinstance(module, nn.Embedding) or isinstance(module, Router):
             adamw_ids |= {id(p) for p in module.parameters()}
     head = getattr(model, "output", None)
+    if hasattr(model, "get_output_embeddings"):  # transformers' lm_head
+        head = model.get_output_embeddings()
     if isinstance(head, nn.Linear):
         adamw_ids.add(id(head.weight))
+    adamw_ids |= _hf_router_parameters(model)
     muon, adamw = [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
         (muon if p.ndim >= 2 and id(p) not in adamw_ids else adamw).append(p)
     return muon, adamw
+
+
+def _hf_router_parameters(model: nn.Module) -> set[int]:
+    """ids of what AdamW keeps in transformers' MoE blocks: beside each experts module, the modules whose every
+    matrix has one row per expert or a single row (the router, a shared expert's scalar gate); inside it, what
+    is not one matrix per expert (per-expert biases [E, F], 2-D)."""
+    from moeflow.parallel.hf_experts import global_num_experts, is_hf_experts
+
+    ids: set[int] = set()
+    for block in model.modules():
+        for experts in [m for m in block.children() if is_hf_experts(m)]:
+            ids |= {id(p) for p in experts.parameters() if p.ndim != 3}
+            rows = {1, global_num_experts(experts)}  # the router's rows: every expert, on every rank
+            for other in block.children():
+                params = list(other.parameters())
+                if other is not experts and params and all(p.ndim < 2 or p.shape[0] in rows for p in params):
+                    ids |= {id(p) for p in params}
+    return ids
 
 
 def newton_schulz(update: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps: float = NS_EPS,

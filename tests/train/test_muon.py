@@ -38,11 +38,38 @@ def test_the_split_is_moonlights():
     assert len(muon) + len(adamw) == len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("nesterov, adjust", [(True, "match_rms_adamw"), (False, "original")])
-def test_every_matrix_steps_as_torch_optim_muon_and_the_rest_as_adamw(nesterov, adjust):
+def _hf_model(arch: str):
+    from tests.support.hf_tiny import tiny_model
+
+    return tiny_model(arch)
+
+
+def test_transformers_modules_split_as_moonlights():
+    """On transformers' own modules: routers, a shared expert's scalar gate and per-expert biases stay on AdamW
+    (with the embedding, head, norms, attention biases and sinks); every projection, shared expert and 3-D experts
+    tensor is Muon's."""
+    pytest.importorskip("transformers")
+    for arch, adamw_only in (("gpt_oss", ("mlp.router.weight", "mlp.experts.gate_up_proj_bias", "self_attn.sinks")),
+                             ("qwen2_moe", ("mlp.gate.weight", "mlp.shared_expert_gate.weight"))):
+        model = _hf_model(arch)
+        muon, adamw = muon_parameters(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        muon_names, adamw_names = {names[id(p)] for p in muon}, {names[id(p)] for p in adamw}
+        assert {"model.embed_tokens.weight", "lm_head.weight"} <= adamw_names
+        assert all(any(a.endswith(n) for a in adamw_names) for n in adamw_only), arch
+        assert all(p.ndim in (2, 3) for p in muon) and all(p.ndim == 3 for n, p in model.named_parameters()
+                                                            if n.endswith("experts.down_proj"))
+        assert all(any(m.endswith(n) for m in muon_names) for n in ("experts.gate_up_proj", "self_attn.q_proj.weight"))
+        assert len(muon) + len(adamw) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("nesterov, adjust, make", [(True, "match_rms_adamw", _model), (False, "original", _model),
+                                                    (True, "match_rms_adamw", lambda: _hf_model("gpt_oss"))])
+def test_every_matrix_steps_as_torch_optim_muon_and_the_rest_as_adamw(nesterov, adjust, make):
     """Three steps with the same random gradients: each 2-D matrix against torch.optim.Muon on it, each expert
-    matrix against torch.optim.Muon on that slice as its own parameter, the rest against torch.optim.AdamW."""
-    model = _model()
+    matrix against torch.optim.Muon on that slice as its own parameter, the rest against torch.optim.AdamW
+    (moeflow's model, and transformers' gpt-oss with its transposed experts)."""
+    model = make()
     muon, adamw = muon_parameters(model)
     ours = Muon(muon, adamw, lr=0.02, adamw_lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), momentum=0.9,
                 nesterov=nesterov, ns_steps=5, adjust_lr=adjust)
