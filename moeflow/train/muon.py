@@ -114,12 +114,6 @@ def _orthogonalised(update: torch.Tensor, steps: int, turn: int) -> tuple[torch.
     return out, turn + len(matrices)
 
 
-def _shard_bounds(size: int, n: int, r: int) -> tuple[int, int]:
-    """(offset, length) of rank r's chunk of a dim of `size` cut n ways (torch.chunk's cut, as DTensor's Shard)."""
-    c = -(-size // n)
-    return min(r * c, size), max(0, min(c, size - r * c))
-
-
 class _ShardedMatrices:
     """Updates cut over one mesh dim (FSDP2's Shard(0), TP's column / row shards), orthogonalised
     together: each pending update's local shard travels in one all-gather, matrix i of them is orthogonalised by
@@ -162,7 +156,7 @@ class _ShardedMatrices:
 
     def flush(self) -> None:
         import torch.distributed._functional_collectives as funcol
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Shard
 
         if not self.pending:
             return
@@ -181,7 +175,7 @@ class _ShardedMatrices:
             pieces = []
             for r in range(n):
                 shape = list(u.shape)
-                shape[d] = _shard_bounds(u.shape[d], n, r)[1]
+                shape[d] = Shard.local_shard_size_and_offset(u.shape[d], n, r)[0]
                 pieces.append(gathered[r, start:start + slot][:math.prod(shape)].view(shape))
             start += slot
             matrices = torch.cat(pieces, dim=d).reshape(-1, *u.shape[-2:])
@@ -200,7 +194,7 @@ class _ShardedMatrices:
         for (p, u, _), d, out in zip(self.pending, dims, outs):
             whole = summed[offset:offset + out.numel()].view(u.shape)
             offset += out.numel()
-            first, length = _shard_bounds(u.shape[d], n, me)
+            length, first = Shard.local_shard_size_and_offset(u.shape[d], n, me)
             ortho = DTensor.from_local(whole.narrow(d, first, length), mesh, u.placements, run_check=False,
                                        shape=u.shape, stride=u.stride())
             self.apply(p, ortho)
