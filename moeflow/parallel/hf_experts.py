@@ -227,7 +227,8 @@ def hf_moe_layers(model: nn.Module) -> list[int]:
 
 def hf_routing(model: nn.Module) -> dict[int, HFRouting]:
     """{decoder layer index: HFRouting} of every transformers experts module of `model` (made once per module)."""
-    for name, module in _experts_by_layer(model).values():
+    by_layer = _experts_by_layer(model)
+    for name, module in by_layer.values():
         if module not in _ROUTING:
             _ROUTING[module] = HFRouting(module, model.get_submodule(name.rsplit(".", 1)[0]))
-    return {layer: _ROUTING[module] for layer, (_, module) in _experts_by_layer(model).items()}
+    return {layer: _ROUTING[module] for layer, (_, module) in by_layer.items()}

@@ -304,7 +304,7 @@ def beside_moe(block: nn.Module, names) -> list[str]:
     if found is None or not _is_moe(found[1]):
         return []
     return [name for name, child in block.named_children()
-            if name not in (names.attention, found[0]) and not type(child).__name__.lower().endswith("norm")
+            if name not in (names.attention, found[0]) and not _is_norm(child)
             and any(True for _ in child.parameters())]
 
 
@@ -445,6 +445,11 @@ def _attention_parts(model: nn.Module, layers: dict[str, nn.Module], names) -> t
     return tuple(per_head)
 
 
+def _is_norm(module: nn.Module) -> bool:
+    """A normalisation layer, by its class's name (RMSNorm, LayerNorm, Qwen3MoeRMSNorm, ...: no common base)."""
+    return type(module).__name__.lower().endswith("norm")
+
+
 def _block_norms(layers: dict[str, nn.Module], names) -> list[str]:
     """The names of the blocks' own norms: the pre-norms, and the post or sandwich norms some architectures add
     (children other than the attention and the FFN whose class is a norm). Each runs on this rank's sequence
@@ -452,7 +457,7 @@ def _block_norms(layers: dict[str, nn.Module], names) -> list[str]:
     found: dict[str, None] = {}
     for block in layers.values():
         for name, child in block.named_children():
-            if name not in (names.attention, names.ffn) and type(child).__name__.lower().endswith("norm"):
+            if name not in (names.attention, names.ffn) and _is_norm(child):
                 found[name] = None
     return list(found)
 
