@@ -128,6 +128,9 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
 @pytest.mark.parametrize("changes, message", [
     ({"parallel.pp": 2}, None),  # taken: one stage per rank
     ({"parallel.cp": 2}, None),  # taken: through transformers' attention interface
+    ({"training.optimizer": "muon"}, None),  # taken
+    ({"training.optimizer": "muon", "training.muon_clip": 100.0},
+     r"training.muon_clip = 100.0 for this run: transformers' own modules do not record the attention logits"),
     ({"parallel.tp": 2}, None),  # taken: the MoE folded over tp
     ({"parallel.tp": 2, "data.seq_len": 15}, r"data.seq_len \(15\) must be divisible by parallel.tp \(2\)"),
     ({"training.fp8": "tensorwise"}, r"training.fp8 = 'tensorwise' for .* on transformers' own modules"),
