@@ -120,16 +120,18 @@ class _ShardedMatrices:
     rank (turn + i) mod n alone (stacked by shape, one batched Newton-Schulz per shape), and the bf16 results come
     back in one all-reduce; every rank then cuts out its shard. Two collectives per flush instead of two per
     tensor (each collective's latency, not its bytes, dominated a Muon step on small tensors); the bytes sent
-    are the per-tensor scheme's. Flushed once `PENDING_BYTES` of whole updates wait, and whenever the mesh
-    changes (pending updates share one collective); a flush holds about four times that much at its peak (the
-    gathered shards, the whole matrices, the results and their sum)."""
+    are the per-tensor scheme's. One bucket per (mesh, dim) - expert slices over efsdp and the rest over dp_shard
+    interleave layer by layer, and each bucket still fills one collective - flushed once `PENDING_BYTES` of
+    whole updates wait in it, and all at the end of the step; a flush holds about four times that much at its
+    peak (the gathered shards, the whole matrices, the results and their sum)."""
 
     PENDING_BYTES = 64 * 2**20
 
     def __init__(self, steps: int, apply):
         self.steps, self.apply = steps, apply
-        self.pending: list[tuple[nn.Parameter, torch.Tensor, int]] = []  # (parameter, update, its first turn)
-        self.bytes = 0
+        # (mesh, dim) -> [(parameter, update, its first turn)], and the whole updates' bytes waiting in it
+        self.buckets: dict[tuple, list[tuple[nn.Parameter, torch.Tensor, int]]] = {}
+        self.bytes: dict[tuple, int] = {}
 
     @staticmethod
     def sharded_dim(update: torch.Tensor) -> int | None:
@@ -146,32 +148,34 @@ class _ShardedMatrices:
         return cut[0]
 
     def add(self, p: nn.Parameter, update: torch.Tensor, turn: int) -> None:
-        if self.pending and (self.pending[0][1].device_mesh, self.sharded_dim(self.pending[0][1])) != (
-                update.device_mesh, self.sharded_dim(update)):
-            self.flush()
-        self.pending.append((p, update, turn))
-        self.bytes += update.numel() * update.element_size()
-        if self.bytes >= self.PENDING_BYTES:
-            self.flush()
+        key = (update.device_mesh, self.sharded_dim(update))
+        self.buckets.setdefault(key, []).append((p, update, turn))
+        self.bytes[key] = self.bytes.get(key, 0) + update.numel() * update.element_size()
+        if self.bytes[key] >= self.PENDING_BYTES:
+            self._flush(key)
 
     def flush(self) -> None:
+        """Every bucket, in the order they were opened (the same on every rank: the parameters' order)."""
+        for key in list(self.buckets):
+            self._flush(key)
+
+    def _flush(self, key: tuple) -> None:
         import torch.distributed._functional_collectives as funcol
         from torch.distributed.tensor import DTensor, Shard
 
-        if not self.pending:
-            return
-        mesh = self.pending[0][1].device_mesh
-        k = self.sharded_dim(self.pending[0][1])
+        pending = self.buckets.pop(key)
+        del self.bytes[key]
+        mesh, k = key
         n, me = mesh.size(k), mesh.get_local_rank(k)
-        dims = [u.placements[k].dim % u.ndim for _, u, _ in self.pending]
+        dims = [u.placements[k].dim % u.ndim for _, u, _ in pending]
         # every rank's slot for an update holds its largest chunk: equal sizes for the one all-gather
-        slots = [-(-u.shape[d] // n) * u.numel() // u.shape[d] for (_, u, _), d in zip(self.pending, dims)]
+        slots = [-(-u.shape[d] // n) * u.numel() // u.shape[d] for (_, u, _), d in zip(pending, dims)]
         local = torch.cat([torch.cat([u.to_local().reshape(-1), u.to_local().new_zeros(slot - u.to_local().numel())])
-                           for (_, u, _), slot in zip(self.pending, slots)])
+                           for (_, u, _), slot in zip(pending, slots)])
         gathered = funcol.all_gather_tensor(local, 0, (mesh, k)).view(n, -1)
         mine: dict[torch.Size, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # shape -> (result slot, matrix)
         outs, start = [], 0
-        for (_, u, turn), d, slot in zip(self.pending, dims, slots):
+        for (_, u, turn), d, slot in zip(pending, dims, slots):
             pieces = []
             for r in range(n):
                 shape = list(u.shape)
@@ -191,14 +195,13 @@ class _ShardedMatrices:
         summed = torch.cat([o.reshape(-1) for o in outs])
         torch.distributed.all_reduce(summed, group=mesh.get_group(k))
         offset = 0
-        for (p, u, _), d, out in zip(self.pending, dims, outs):
+        for (p, u, _), d, out in zip(pending, dims, outs):
             whole = summed[offset:offset + out.numel()].view(u.shape)
             offset += out.numel()
             length, first = Shard.local_shard_size_and_offset(u.shape[d], n, me)
             ortho = DTensor.from_local(whole.narrow(d, first, length), mesh, u.placements, run_check=False,
                                        shape=u.shape, stride=u.stride())
             self.apply(p, ortho)
-        self.pending, self.bytes = [], 0
 
 
 class _LocalMatrices:

@@ -167,20 +167,28 @@ def test_what_is_not_supported_is_one_line(tmp_path, changes, world, message):
 
 def _sharded_case(_, case) -> None:
     """Matrices of awkward shapes sharded over 2 ranks (uneven rows, an empty shard, a column cut, a 3-D experts
-    tensor) and stepped by moeflow's Muon with a tiny flush bound (several flushes a step): each equals
-    torch.optim.Muon on the whole matrix in one process, within 1% of its movement."""
+    tensor) on two meshes in turn (as expert slices over efsdp and the rest over dp_shard interleave), stepped by
+    moeflow's Muon with a tiny flush bound (several flushes a step) or the default one (one flush per mesh and
+    step): each equals torch.optim.Muon on the whole matrix in one process, within 1% of its movement."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from moeflow.train import muon as muon_module
 
-    muon_module._ShardedMatrices.PENDING_BYTES = 256
-    mesh = init_device_mesh("cpu", (2,))
+    _, bound = case
+    if bound:
+        muon_module._ShardedMatrices.PENDING_BYTES = bound
+    flushes = []
+    flush = muon_module._ShardedMatrices._flush
+    muon_module._ShardedMatrices._flush = lambda self, key: flushes.append(key) or flush(self, key)
+    one_dim, two_dims = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
     gen = torch.Generator().manual_seed(0)
     shapes = [((5, 4), Shard(0)), ((1, 3), Shard(0)), ((4, 3), Shard(1)), ((3, 4, 5), Shard(0))]
     whole = [torch.randn(shape, generator=gen) for shape, _ in shapes]
     grads = [[torch.randn(shape, generator=gen) for shape, _ in shapes] for _ in range(2)]
-    ours = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [cut])) for w, (_, cut) in zip(whole, shapes)]
+    ours = [torch.nn.Parameter(distribute_tensor(w.clone(), one_dim, [cut]) if i % 2 == 0 else
+                               distribute_tensor(w.clone(), two_dims, [Replicate(), cut]))
+            for i, (w, (_, cut)) in enumerate(zip(whole, shapes))]
     opt = Muon(ours, [], lr=0.02, adamw_lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), momentum=0.9)
     ref = [torch.nn.Parameter(m.clone()) for w in whole for m in (w.unbind(0) if w.ndim == 3 else [w])]
     ref_opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw")
@@ -195,10 +203,13 @@ def _sharded_case(_, case) -> None:
     start = [m for w in whole for m in (w.unbind(0) if w.ndim == 3 else [w])]
     for a, b, a0 in zip(got, ref, start):
         assert (a - b).norm() <= 0.01 * (b - a0).norm(), (a - b).norm() / (b - a0).norm()
+    if not bound:  # the meshes alternate parameter by parameter; each bucket still fills one collective
+        assert len(flushes) == 2 * len(grads), flushes
+    muon_module._ShardedMatrices._flush = flush
 
 
 def test_sharded_matrices_of_awkward_shapes_step_as_torch_optim_muon():
     from tests.support.dist_harness import check_results, launch
 
-    cases = [("awkward shards", )]
+    cases = [("awkward shards, tiny bound", 256), ("awkward shards, one flush per mesh", 0)]
     check_results(launch(2, cases, _sharded_case), cases)
