@@ -107,12 +107,21 @@ class _GatherSequence(torch.autograd.Function):
         return out_LBHD.movedim(0, 2), None
 
 
+def gather_keys_values(k_BHkLDk: torch.Tensor, v_BHkLDv: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole sequence's keys and values, in sequence order, from every cp rank's two chunks: one collective
+    (they differ in width under multi-head latent attention: concatenated), reduce-scattered in backward."""
+    cp, C = dist.get_world_size(group), k_BHkLDk.shape[2] // 2
+    kv_BHkSD = _GatherSequence.apply(torch.cat([k_BHkLDk, v_BHkLDv], dim=-1), group)
+    kv_BHkSD = kv_BHkSD.index_select(2, _sequence_order(cp, C, k_BHkLDk.device))
+    return kv_BHkSD.split([k_BHkLDk.shape[-1], v_BHkLDv.shape[-1]], dim=-1)
+
+
 def context_parallel_attention(q_BHLDk: torch.Tensor, k_BHkLDk: torch.Tensor, v_BHkLDv: torch.Tensor, group,
                                scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries (its two chunks, RoPE applied) over the whole sequence's keys and
     values, of which it holds the same two chunks; equals full-sequence causal attention, cut the same way."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    L, Dk = q_BHLDk.shape[2], k_BHkLDk.shape[-1]
+    L = q_BHLDk.shape[2]
     if L % 2:
         raise ValueError(f"context-parallel attention needs an even number of local tokens (two equal chunks), got "
                          f"{L}; the sequence length must be divisible by 2 x cp = {2 * cp}")
@@ -120,10 +129,7 @@ def context_parallel_attention(q_BHLDk: torch.Tensor, k_BHkLDk: torch.Tensor, v_
     # Under autocast q and k can arrive fp32 (a qk-norm's fp32 weight promotes its bf16 input), and the lower-right
     # causal mask reaches the attention kernel without autocast's cast: cast here (it also halves the gather).
     q_BHLDk, k_BHkLDk, v_BHkLDv = (autocast_input(t) for t in (q_BHLDk, k_BHkLDk, v_BHkLDv))
-    # Keys and values in one collective (they differ in width under multi-head latent attention: concatenate).
-    kv_BHkSD = _GatherSequence.apply(torch.cat([k_BHkLDk, v_BHkLDv], dim=-1), group)
-    kv_BHkSD = kv_BHkSD.index_select(2, _sequence_order(cp, C, q_BHLDk.device))
-    k_BHkSDk, v_BHkSDv = kv_BHkSD.split([Dk, v_BHkLDv.shape[-1]], dim=-1)
+    k_BHkSDk, v_BHkSDv = gather_keys_values(k_BHkLDk, v_BHkLDv, group)
     gqa = q_BHLDk.shape[1] != k_BHkLDk.shape[1]
     out = []
     for j, q_BHCDk in zip(chunk_ids(rank, cp), q_BHLDk.split(C, dim=2)):

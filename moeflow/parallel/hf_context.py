@@ -33,9 +33,8 @@ from torch import nn
 from moeflow.models.layers import autocast_input
 from moeflow.parallel.context import (
     ContextParallelTokenScale,
-    _GatherSequence,
-    _sequence_order,
     context_parallel_attention,
+    gather_keys_values,
     local_positions,
 )
 
@@ -43,7 +42,8 @@ ATTENTION = "moeflow_context_parallel"
 # layer kinds whose mixing along the sequence is attention under a mask transformers builds, or none at all
 _SPLITTABLE_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "mlp", "moe"}
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> its cp process group
-_QUERIES: list[torch.Tensor] = []  # the global positions [L] of the forward under way (set by its pre-hook)
+# the forward under way (set by its pre-hook): its global query positions [L] and the sequence length S
+_QUERIES: list[tuple[torch.Tensor, int]] = []
 
 
 def hf_context_refusal(model: nn.Module) -> str | None:
@@ -89,7 +89,7 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh) -> ContextParallelToken
         tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
         B, L = tokens.shape[:2]
         positions = local_positions(L * cp, rank, cp, device=tokens.device)
-        _QUERIES[:] = [positions]
+        _QUERIES[:] = [(positions, L * cp)]
         ones = torch.ones(B, L * cp, dtype=torch.long, device=tokens.device)
         return args, {**kwargs, "position_ids": positions.expand(B, L), "attention_mask": ones, "use_cache": False}
 
@@ -103,8 +103,8 @@ def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_
     positions against the whole sequence's keys; None where it is plain causal attention."""
     from transformers.masking_utils import causal_mask_function
 
-    (q_pos_L,) = _QUERIES
-    if q_offset or kv_offset or q_length != len(q_pos_L) or kv_length <= q_pos_L.max():
+    ((q_pos_L, S),) = _QUERIES
+    if q_offset or kv_offset or q_length != len(q_pos_L) or kv_length != S:  # (on the host: no device sync)
         raise ValueError("context parallelism splits whole sequences; a KV cache needs parallel.cp = 1")
     mask_function = mask_function or causal_mask_function
     index = lambda n, dim: torch.arange(n, device=device).view([-1 if d == dim else 1 for d in range(4)])
@@ -140,9 +140,7 @@ def _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, seen_B1LS, scaling, so
     L, Dk = q_BHLDk.shape[2], k_BHkLDk.shape[-1]
     # as the plain path does: the gather's dtype is the same on every rank, whichever path each takes
     q_BHLDk, k_BHkLDk, v_BHkLDv = (autocast_input(t) for t in (q_BHLDk, k_BHkLDk, v_BHkLDv))
-    kv_BHkSD = _GatherSequence.apply(torch.cat([k_BHkLDk, v_BHkLDv], dim=-1), group)
-    kv_BHkSD = kv_BHkSD.index_select(2, _sequence_order(cp, L // 2, q_BHLDk.device))
-    k_BHkSDk, v_BHkSDv = kv_BHkSD.split([Dk, v_BHkLDv.shape[-1]], dim=-1)
+    k_BHkSDk, v_BHkSDv = gather_keys_values(k_BHkLDk, v_BHkLDv, group)
     S, repeat = k_BHkSDk.shape[2], q_BHLDk.shape[1] // k_BHkSDk.shape[1]
     k_BHSDk, v_BHSDv = k_BHkSDk.repeat_interleave(repeat, dim=1), v_BHkSDv.repeat_interleave(repeat, dim=1)
     if seen_B1LS is None:
