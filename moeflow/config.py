@@ -504,9 +504,6 @@ class JobConfig:
         if importlib.util.find_spec("peft") is None or importlib.util.find_spec("transformers") is None:
             raise ValueError("peft.method = 'lora' writes its adapter in PEFT's format with the peft and transformers "
                              "packages: pip install -e .[lora] (or set peft.method = 'none')")
-        if self.model.runs_transformers:
-            raise ValueError(f"peft.method = 'lora' on transformers' own modules ({self.model.hf_path}) is not "
-                             f"supported yet; use model.hf_impl = 'native' where moeflow maps the architecture")
         if self.training.fp8 != "none":
             raise ValueError(f"peft.method = 'lora' with training.fp8 = {self.training.fp8!r}: the FP8 recipes "
                              f"replace the linear layers and experts the adapters sit on; use training.fp8 = 'none'")

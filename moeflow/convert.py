@@ -95,7 +95,8 @@ def moeflow_to_hf(src: str | Path, dst: str | Path, *, config: str | None = None
         raise ValueError(f"{config_path} does not exist; pass the run's config.toml with --config")
     cfg = load_config(config_path).model
     if cfg.runs_transformers:
-        return _transformers_to_hf(checkpoint, cfg, Path(dst), architecture, dtype, max_shard_bytes)
+        return _transformers_to_hf(checkpoint, load_config(config_path), Path(dst), architecture, dtype,
+                                   max_shard_bytes)
     cfg, original, origin = export_source(cfg, run_dir)
     model = native_model(load_config(config_path), cfg, checkpoint)
     architecture = architecture or (original.get("architectures") or [None])[0]
@@ -121,7 +122,7 @@ def export_source(cfg, run_dir: Path) -> tuple:
     return cfg, original, origin
 
 
-def _transformers_to_hf(checkpoint: Path, cfg, dst: Path, architecture: str | None, dtype: str,
+def _transformers_to_hf(checkpoint: Path, job, dst: Path, architecture: str | None, dtype: str,
                         max_shard_bytes: int) -> Path:
     """A run on transformers' own modules: its weights written by transformers' save_pretrained, in the
     architecture (and on-disk tensor format) of the folder it started from."""
@@ -130,13 +131,12 @@ def _transformers_to_hf(checkpoint: Path, cfg, dst: Path, architecture: str | No
     from moeflow.models import hf_transformers
     from moeflow.models.hf import copy_side_files
 
-    origin = Path(cfg.hf_path)
+    origin = Path(job.model.hf_path)
     named = (hf_transformers.read_config(origin).get("architectures") or [None])[0]
     if architecture and architecture != named:
         raise ValueError(f"--architecture {architecture}: this run trained transformers' {named} (from {origin}) "
                          f"and exports as that architecture only; drop --architecture")
-    model = hf_transformers.load(origin)
-    _load_model_state(checkpoint, model)
+    model = transformers_model(job, checkpoint)
     model.to(getattr(torch, DTYPES[dtype])).save_pretrained(dst, max_shard_size=max_shard_bytes)
     copy_side_files(origin, dst)
     return dst
@@ -172,7 +172,6 @@ def native_model(job, cfg, checkpoint: Path, dtype=None, device="cpu"):
         model = build_empty(cfg, dtype, device)
         _load_model_state(checkpoint, model)
         return model
-    from moeflow.models import lora
     from moeflow.models.hf import from_pretrained
     from moeflow.models.transformer import Transformer
 
@@ -181,10 +180,28 @@ def native_model(job, cfg, checkpoint: Path, dtype=None, device="cpu"):
     else:
         model = Transformer(cfg)
         model.init_weights(seed=job.training.seed)  # as the trainer built the base (moeflow/train/build.py)
+    return _with_run_weights(job, model, checkpoint).to(device=device, dtype=dtype)
+
+
+def transformers_model(job, checkpoint: Path, device="cpu"):
+    """transformers' own model of a run on its modules (the folder's base), with the run's trained weights."""
+    from moeflow.models import hf_transformers
+
+    return _with_run_weights(job, hf_transformers.load(job.model.hf_path, device), checkpoint)
+
+
+def _with_run_weights(job, model, checkpoint: Path):
+    """`model` with the checkpoint's weights; for a LoRA run (whose checkpoint holds the adapter only) `model` is
+    the base, which gains the adapter, loaded, and folded into its weights."""
+    if job.peft.method == "none":
+        _load_model_state(checkpoint, model)
+        return model
+    from moeflow.models import lora
+
     p = job.peft
     lora.add(model, p.rank, p.alpha, p.dropout, p.modules, p.experts)
     _load_model_state(checkpoint, model)
-    return lora.merge(model).to(device=device, dtype=dtype)
+    return lora.merge(model)
 
 
 def _load_model_state(checkpoint: Path, model) -> None:

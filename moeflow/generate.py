@@ -48,7 +48,7 @@ def load_model(run_dir: str | None = None, hf_path: str | None = None, dtype: st
         model, cfg = from_pretrained(hf_path, dtype=torch_dtype, device=device)
         return model.eval(), cfg, Path(hf_path), eos_ids(Path(hf_path))
     from moeflow.config import load_config
-    from moeflow.convert import _find_checkpoint, _load_model_state, native_model
+    from moeflow.convert import _find_checkpoint, native_model, transformers_model
     from moeflow.models.hf import read_hf_config
 
     checkpoint, run = _find_checkpoint(Path(run_dir))
@@ -58,9 +58,7 @@ def load_model(run_dir: str | None = None, hf_path: str | None = None, dtype: st
     cfg, origin = job.model, run
     if cfg.runs_transformers:  # transformers' own model, with the run's weights
         origin = Path(cfg.hf_path)
-        model = hf_transformers.load(origin, device)
-        _load_model_state(checkpoint, model)
-        model = hf_transformers.GenerationModel(model.to(torch_dtype), cfg)
+        model = hf_transformers.GenerationModel(transformers_model(job, checkpoint, device).to(torch_dtype), cfg)
         return model.eval(), cfg, tokenizer_folder(job, run, origin), eos_ids(origin) or eos_ids(run)
     if cfg.hf_path:  # a run that started from a Hugging Face folder trained that folder's architecture
         _, cfg = read_hf_config(cfg.hf_path)

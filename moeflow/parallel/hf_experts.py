@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from moeflow.ep.buffer import Buffer
+from moeflow.models.lora import LORA_EXPERTS_IMPLEMENTATION
 
 # the expert tensors transformers' experts functions read; an experts module may hold more, all per expert
 # (ergo's post_expert_norm.weight): expert_tensor_names
@@ -107,7 +108,8 @@ def apply_hf_expert_parallel(model: nn.Module, group=None, backend: str = "auto"
                 setattr(holder, name, nn.Parameter(full.detach()[r * L:(r + 1) * L].clone(),
                                                    requires_grad=full.requires_grad))
         module.num_experts = L
-        module.config._experts_implementation = LOCAL_EXPERTS_IMPLEMENTATION
+        if module.config._experts_implementation != LORA_EXPERTS_IMPLEMENTATION:  # (that one runs grouped_mm too)
+            module.config._experts_implementation = LOCAL_EXPERTS_IMPLEMENTATION
         module.__class__ = _expert_parallel_class(type(module))
         _EXPERT_PARALLEL[module] = (buffer, E, r * L)
     return len(modules)

@@ -24,6 +24,7 @@ from torch import nn
 
 from moeflow.models import hf_transformers
 from moeflow.models.hf import read_header, weight_files
+from moeflow.models.lora import is_factor
 from moeflow.parallel.hf_experts import hf_expert_slices
 from moeflow.train.hf_sharded import _place
 
@@ -102,7 +103,8 @@ def load_owned(model: nn.Module, folder: str | Path, device: torch.device) -> in
                 _place(dst, value.to(dst.dtype))
                 filled.add(name)
     tied = model.all_tied_weights_keys  # {tied name: the name it shares storage with}
-    missing = [k for k in state if k not in filled and k not in tied and k not in buffers]
+    # (a LoRA adapter's factors are not the folder's: moeflow.models.lora.init sets them after)
+    missing = [k for k in state if k not in filled and k not in tied and k not in buffers and not is_factor(k)]
     if missing:
         raise ValueError(f"{folder}: no tensor in the files fills {missing[0]} ({len(missing)} in all); is "
                          f"config.json the one the weights were saved with?")

@@ -19,6 +19,10 @@ own modules (model.hf_impl = 'transformers'):
   generate    `moeflow generate`'s greedy tokens on the run directory equal transformers' generate on the export
   native      moeflow's own model (model.hf_impl = 'native') gives transformers' logits, where it maps the
               architecture; else the one-line reason
+  lora        LoRA adapters (peft.method = 'lora', random factors) on transformers' modules, attention, MLPs and
+              every experts weight: written in PEFT's format, PeftModel.from_pretrained on the folder gives
+              moeflow's loss, as does the model with the adapters merged into its weights; where it does not,
+              peft's own save / load of such an adapter is tried, and a cell names peft when that changes the loss
   tp=2        tensor and sequence parallelism with the MoE folded over tp (its experts spread over the 2 ranks):
               the same check as dp=2 where moeflow takes the layout, else its one-line refusal (given before any
               rank starts)
@@ -46,7 +50,7 @@ import torch.distributed as dist
 REL = 1e-5
 STEPS = 2
 S = 12
-CAPABILITIES = ("ep=2", "read", "dp=2", "export", "generate", "native", "tp=2", "pp=2", "cp=2")
+CAPABILITIES = ("ep=2", "read", "dp=2", "export", "generate", "native", "lora", "tp=2", "pp=2", "cp=2")
 
 
 def _loss(model, ids: torch.Tensor) -> torch.Tensor:
@@ -140,6 +144,7 @@ def cover(arch: str, work: Path) -> dict[str, str]:
         try:
             cells["export"], cells["generate"] = _export_and_generate(trained, run, work / arch / "hf", held_out)
             cells["native"] = _native(ref, folder, held_out)
+            cells["lora"] = _lora(ref, folder, work / arch / "adapter", held_out)
         except Exception as e:
             failure[0] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(failure, src=0)
@@ -276,6 +281,49 @@ def _native(ref, folder: Path, held_out: torch.Tensor) -> str:
         want = _loss(ref.eval(), held_out)
         got = torch.nn.functional.cross_entropy(model(held_out[:, :-1]).flatten(0, 1), held_out[:, 1:].flatten())
     _close(float(got), float(want), "moeflow's native model's loss")
+    return "ok"
+
+
+def _lora(ref, folder: Path, out: Path, held_out: torch.Tensor) -> str:
+    import peft
+
+    from moeflow.config import PeftConfig
+    from moeflow.core.model_config import ModelConfig
+    from moeflow.models import lora
+    from moeflow.models.peft_format import write_adapter
+
+    model = copy.deepcopy(ref).eval()
+    lora.add(model, 4, 8.0, 0.0, "auto", True)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if lora.is_factor(name):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    factors = {name: p.detach() for name, p in model.named_parameters() if lora.is_factor(name)}
+    if not any(".experts.lora_" in name for name in factors):
+        raise AssertionError("no experts adapter")
+    adapter = write_adapter(factors, ModelConfig(hf_path=str(folder), hf_impl="transformers"),
+                            PeftConfig(method="lora", rank=4, alpha=8.0), out)
+    base = lambda: type(ref).from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = float(_loss(model, held_out))
+        theirs = float(_loss(peft.PeftModel.from_pretrained(base(), adapter).eval(), held_out))
+        if abs(theirs - float(_loss(ref.eval(), held_out))) < 1e-3:
+            raise AssertionError("the adapter does not change the loss")
+        _close(float(_loss(lora.merge(model), held_out)), ours, "the merged adapter's loss")
+        if abs(theirs - ours) <= REL * abs(ours):
+            return "ok"
+        # peft's own adapter of the same targets, saved and loaded back
+        config = peft.LoraConfig.from_pretrained(str(adapter))
+        config.init_lora_weights, config.inference_mode = False, False
+        own = peft.get_peft_model(base(), config).eval()
+        before = float(_loss(own, held_out))
+        own.save_pretrained(str(out.with_name("peft-own")))
+        after = float(_loss(peft.PeftModel.from_pretrained(base(), str(out.with_name("peft-own"))).eval(), held_out))
+    if abs(after - before) > REL * abs(before):
+        return (f"peft {peft.__version__} does not load its own adapter of this architecture back (the loss "
+                f"{before:.4f} becomes {after:.4f} through its save_pretrained / from_pretrained)")
+    _close(theirs, ours, "PeftModel's loss with moeflow's adapter")
     return "ok"
 
 
