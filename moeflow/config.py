@@ -275,11 +275,12 @@ class PeftConfig:
     """Dropout on the adapters' input (peft's lora_dropout); 0 with peft.experts = true (peft's experts adapters
     take none)."""
     modules: str = "auto"
-    """The linear layers that get adapters, by name (comma-separated, e.g. 'wq,wv'): 'auto' is the attention
-    projections and the SwiGLU MLPs of dense layers and shared experts; the routers (gate) and the output head
-    stay frozen and unadapted unless named."""
+    """The linear layers that get adapters, by name (comma-separated, e.g. 'wq,wv', or 'q_proj,v_proj' on
+    transformers' own modules): 'auto' is the attention projections and the SwiGLU MLPs of dense layers and shared
+    experts; the routers and the output head stay frozen and unadapted unless named."""
     experts: bool = True
-    """Adapt the routed experts too (one adapter per expert on gate_up and on down, as peft's target_parameters)."""
+    """Adapt the routed experts too (one adapter per expert on each of their weights, as peft's
+    target_parameters)."""
 
 
 @dataclass
