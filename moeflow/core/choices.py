@@ -42,7 +42,7 @@ OVERLONG = ("truncate", "drop", "error")
 PEFT_METHODS = ("none", "lora")
 OPTIMIZERS = ("adamw", "muon")
 MUON_LR_ADJUSTMENTS = ("match_rms_adamw", "original")
-OFFLOADS = ("none", "params")
+OFFLOADS = ("none", "optimizer", "params")
 
 # setting -> its choices, for the checks and --help-config
 SETTINGS: dict[str, tuple[str, ...]] = {

@@ -56,11 +56,12 @@ def advise(job: Job, best: Result) -> Advice:
                                              "FSDP / DeepSpeed is the simpler choice"))
     layout = (f"dp_replicate={lay.dp_replicate} dp_shard={lay.dp_shard} tp={lay.tp} pp={lay.pp} ep={lay.ep} "
               f"{f'cp={lay.cp} ' if lay.cp > 1 else ''}"
-              f"ZeRO-{lay.zero}{' with offload' if lay.offload else ''}, micro-batch {lay.micro_batch}, "
+              f"ZeRO-{lay.zero}{'' if lay.offload == 'none' else ' with offload'}, micro-batch {lay.micro_batch}, "
               f"activation checkpointing {lay.activation_checkpointing}")
-    if lay.offload:
+    if lay.offload != "none":
         reasons.append(f"nothing fits in {job.gpu.memory_gb:.0f} GB per GPU without ZeRO-Offload: "
-                       f"parallel.offload = 'params' keeps {best.memory_gb['host']:.1f} GB per GPU in host memory, "
+                       f"parallel.offload = '{lay.offload}' keeps {best.memory_gb['host']:.1f} GB per GPU in host "
+                       f"memory, "
                        f"at {best.time.get('offload_s', 0.0):.2f} s of PCIe copies and host optimizer step per step")
     text = (f"Use {FAMILIES[family]} (or moeflow with the same layout): {'; '.join(reasons)}. "
             f"Best predicted layout: {layout}, {best.time['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "

@@ -29,8 +29,9 @@ ASSUMPTIONS = [
     "EP traffic from uniform routing with per-rank dedup inside a node, per-node dedup across nodes",
     "bf16 weights and grads, fp32 AdamW state (16 bytes/param before sharding); fp8/mxfp8 change only the FLOP/s "
     "of the matmuls training.fp8 converts (dense, attention and expert projections); EP traffic stays bf16",
-    "ZeRO-Offload (parallel.offload = 'params') only when nothing fits on the devices: the ZeRO-3 shards in host "
-    "memory, their PCIe copies not overlapped, the host's AdamW step at its memory bandwidth",
+    "ZeRO-Offload only when nothing fits on the devices: parallel.offload = 'optimizer' (AdamW's state on the host, "
+    "gradients and weights copied once per step) or 'params' (the ZeRO-3 shards on the host, copied per "
+    "micro-batch), the PCIe copies not overlapped, the host's AdamW step at its memory bandwidth",
     "AdamW's optimizer step and data loading time not modelled; --optimizer muon adds Muon's Newton-Schulz FLOPs "
     "and whole-matrix gathers after backward, not overlapped, and its 8 bytes/param of state for the block "
     "matrices (moeflow.plan.optimizer)",
@@ -175,7 +176,8 @@ def format_table(out: dict) -> str:
             f"{t.get('bubble_fraction', 0):>6.1%}"
         )
         if r.get("offload", "none") != "none":
-            lines.append(f"      offload: {m['host']:.1f} GB per GPU in host memory (parallel.offload = 'params'), "
+            lines.append(f"      offload: {m['host']:.1f} GB per GPU in host memory "
+                         f"(parallel.offload = '{r['offload']}'), "
                          f"{t.get('offload_s', 0):.2f} s of the step in PCIe copies and the host's optimizer step")
         if not r["feasible"]:
             lines.append(f"      infeasible: {r['reason']}")

@@ -153,7 +153,7 @@ class Layout:
     micro_batch: int
     activation_checkpointing: str  # one of AC_MODES
     virtual_stages: int = 0  # pipeline stages per rank; 0 = the schedule's default (what the trainer runs)
-    offload: bool = False  # parallel.offload = 'params': the ZeRO-3 shards in host memory (moeflow.plan.memory)
+    offload: str = "none"  # parallel.offload: 'optimizer' or 'params' state in host memory (moeflow.plan.memory)
 
     dp_replicate, dp_shard, tp, pp, ep = (_size(n) for n in ("dp_replicate", "dp_shard", "tp", "pp", "ep"))
     zero, cp, dp, world = (_size(n) for n in ("zero", "cp", "dp", "world_size"))
@@ -187,11 +187,11 @@ class Layout:
         sizes = {key: getattr(self.dims, key) for key in (*SIZE_KEYS, "zero", "pp_schedule")}
         return {**sizes, "micro_batch": self.micro_batch, "activation_checkpointing": self.activation_checkpointing,
                 "virtual_stages": self.virtual_stages, "stages_per_rank": self.stages_per_rank,
-                "offload": "params" if self.offload else "none"}
+                "offload": self.offload}
 
     def short(self) -> str:
         sched = "" if self.pp == 1 else f" {self.schedule_label}"
         return (f"dp{self.dp_replicate}x{self.dp_shard} tp{self.tp} pp{self.pp}{sched} ep{self.ep} "
                 f"{f'cp{self.cp} ' if self.cp > 1 else ''}"
                 f"z{self.zero} mb{self.micro_batch} ac={self.activation_checkpointing}"
-                f"{' offload=params' if self.offload else ''}")
+                f"{'' if self.offload == 'none' else f' offload={self.offload}'}")

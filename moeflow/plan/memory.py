@@ -25,10 +25,12 @@ activation term above is divided by c (the scores too: S/c queries against S key
 dp_shard x c, and experts over dp_shard x c / ep. The all-gather variant also keeps, per layer, the whole
 sequence's keys and values: (c - 1) / c of them beyond the rank's own share (`cp_gathered_kv_bytes`).
 
-ZeRO-Offload (`Layout.offload`, the trainer's parallel.offload = 'params' under ZeRO-3; Ren et al. 2021,
-"ZeRO-Offload: Democratizing Billion-Scale Model Training"): the shards of the weights, their gradients and the
-optimizer state (the 16 bytes per parameter above, sharded) live in host memory (`host`, checked against the
-GPU's `host_gb`); the device keeps the layers being gathered (`zero3_gather`), activations and buffers.
+ZeRO-Offload (`Layout.offload`; Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training") puts
+state in host memory (`host`, checked against the GPU's `host_gb`): under 'params' (ZeRO-3) the shards of the
+weights, their gradients and the optimizer state (the 16 bytes per parameter above, sharded), the device keeping
+the layers being gathered (`zero3_gather`), activations and buffers; under 'optimizer' (any ZeRO stage) the
+optimizer state (12 bytes: master weights and moments) and a copy of the gradient shard, the device keeping the
+weights and gradients.
 """
 
 from __future__ import annotations
@@ -200,9 +202,12 @@ def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
         else:
             parts["zero3_gather"] = 0.0
         host = 0.0
-        if lay.offload:
+        if lay.offload == "params":
             host = sum(parts.pop(k) for k in ("params", "grads", "optimizer"))
             parts.update(params=0.0, grads=0.0, optimizer=0.0)
+        elif lay.offload == "optimizer":
+            host = parts["optimizer"] + parts["grads"]
+            parts["optimizer"] = 0.0
         parts = {k: v / GB for k, v in parts.items()}
         parts["reserved"] = RESERVED_GB
         parts["total"] = sum(parts.values())

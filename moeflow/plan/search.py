@@ -9,8 +9,8 @@ micro_batch and activation checkpointing fill the rest; with pp > 1 the pipeline
 that fits (scoring memory for the others only when the faster ones do not fit: the search stays under a second).
 Under flash attention "selective" recomputation is what "none" already does (moeflow.plan.compute), so only none and
 full are listed, the trainer's choices.
-When no layout fits, the ZeRO-3 layouts are scored again with ZeRO-Offload (parallel.offload = 'params': the
-shards in host memory, moeflow.plan.memory).
+When no layout fits, the layouts are scored again with ZeRO-Offload (moeflow.plan.memory): parallel.offload =
+'optimizer' (AdamW's state in host memory) for every ZeRO stage and 'params' (the shards there) for ZeRO-3.
 Feasible = fits in device (and, offloaded, host) memory and the global batch splits into whole micro-batches."""
 
 from __future__ import annotations
@@ -210,9 +210,11 @@ def search(job: Job, cons: Constraints | None = None) -> list[Result]:
         cons.check(job)
     scored = [best_of_group(job, group) for group in candidates(job, cons)]
     if not any(r.feasible for r, _ in scored) and job.optimizer == "adamw":  # the trainer offloads AdamW only
-        # ZeRO-Offload only when nothing fits on the devices: it buys memory with PCIe traffic and a host step
-        scored += [best_of_group(job, [replace(lay, offload=True) for lay in group])
-                   for group in candidates(job, cons) if group[0].zero == 3]
+        # ZeRO-Offload only when nothing fits on the devices: it buys memory with PCIe traffic and a host step;
+        # the optimizer's state alone (any ZeRO stage, copies once per step) or all of ZeRO-3's shards
+        scored += [best_of_group(job, [replace(lay, offload=offload) for lay in group])
+                   for group in candidates(job, cons) for offload in ("optimizer", "params")
+                   if offload == "optimizer" or group[0].zero == 3]
     results = [r for r, _ in scored]
     job.stats.cache["searched"] = sum(n for _, n in scored)
     if not results:
@@ -231,7 +233,8 @@ def shortfall_message(job: Job, results: list[Result]) -> str:
     best = min(results, key=lambda r: r.memory_gb["total"])
     need, cap = best.memory_gb["total"], job.gpu.memory_gb
     if need <= cap and best.memory_gb["host"] > job.gpu.host_gb:
-        host = min(r.memory_gb["host"] for r in results if r.layout.offload)
+        host = min(r.memory_gb["host"] for r in results
+                   if r.layout.offload != "none" and r.memory_gb["total"] <= cap)  # (of those the devices hold)
         return (f"the cluster is too small for {job.model.name}: no layout fits in {cap:.0f} GB per {job.gpu.name}, "
                 f"and with ZeRO-Offload the leanest needs {host:.1f} GB of host memory per GPU, more than the "
                 f"{job.gpu.host_gb:.0f} GB its hosts have. Add GPUs (about "

@@ -30,11 +30,12 @@
   schedules both gather once per step (parameters stay gathered, moeflow.parallel.pipeline). Gathers overlap
   their micro-batch's compute, the step's reduce-scatter the last backward and the step's gather the first
   forward; only what exceeds its window is exposed. HSDP all-reduces each shard across replicas.
-- ZeRO-Offload (`Layout.offload`, ZeRO-3 only): per micro-batch each fp32 weight shard crosses PCIe to the device
-  for the forward's gather and again for the backward's (FSDP2 copies the shard, then gathers), and each fp32
-  gradient shard back after its reduce-scatter; the AdamW step runs on the host, memory-bound: 28 bytes per
-  parameter of its shard (read weight, gradient, two moments; write weight and moments) at the GPU's
-  `host_step_gbps`. Not overlapped (an upper bound: FSDP2 issues the copies on its all-gather stream).
+- ZeRO-Offload (`Layout.offload`): under 'params' (ZeRO-3 only) per micro-batch each fp32 weight shard crosses
+  PCIe to the device for the forward's gather and again for the backward's (FSDP2 copies the shard, then
+  gathers), and each fp32 gradient shard back after its reduce-scatter; under 'optimizer' once per step each fp32
+  gradient shard of the optimizer's crosses to the host and its updated fp32 weights back. Either way the AdamW
+  step runs on the host, memory-bound: 28 bytes per parameter of its shard (read weight, gradient, two moments;
+  write weight and moments) at the GPU's `host_step_gbps`. Not overlapped (an upper bound).
 - The optimizer: AdamW's step (elementwise, on each shard) and data loading are not modelled; Muon adds its
   Newton-Schulz FLOPs and its gathers of whole matrices after backward (moeflow.plan.optimizer), not overlapped.
 """
@@ -234,11 +235,15 @@ def optimizer_seconds(job: Job, lay: Layout, links: Links) -> float:
 def offload_seconds(job: Job, lay: Layout, micro_batches: int) -> float:
     """PCIe copies and the host's optimizer step per step under ZeRO-Offload, on the rank with the largest shard
     (module doc)."""
-    if not lay.offload:
+    if lay.offload == "none":
         return 0.0
-    shard = max(rank_model_state(job, lay, stages)["params"] / 2 for stages in rank_stages(job, lay))
-    pcie = (2 * micro_batches * 4 * shard + micro_batches * 4 * shard) / (job.gpu.pcie_gbps * 1e9)
-    return pcie + 28 * shard / (job.gpu.host_step_gbps * 1e9)
+    # the parameters of the optimizer's shard (12 bytes of AdamW state each)
+    shard = max(rank_model_state(job, lay, stages)["optimizer"] / 12 for stages in rank_stages(job, lay))
+    if lay.offload == "params":
+        copied = 2 * micro_batches * 4 * shard + micro_batches * 4 * shard
+    else:
+        copied = 4 * shard + 4 * shard
+    return copied / (job.gpu.pcie_gbps * 1e9) + 28 * shard / (job.gpu.host_step_gbps * 1e9)
 
 
 def step_time(job: Job, lay: Layout) -> dict[str, float]:

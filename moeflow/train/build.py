@@ -97,18 +97,18 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims, batch:
 
         for routing in hf_routing(model).values():
             routing.bias_update_rate = cfg.model.moe.bias_update_rate
-    optimizer = _optimizer(model, t) if with_optimizer else None
+    optimizer = _optimizer(model, t, cfg.parallel.offload == "optimizer") if with_optimizer else None
     return par, optimizer, bytes_read
 
 
-def _optimizer(model: torch.nn.Module, t) -> torch.optim.Optimizer:
+def _optimizer(model: torch.nn.Module, t, on_host: bool) -> torch.optim.Optimizer:
     if t.optimizer == "muon":
         from moeflow.train.muon import Muon, muon_parameters
 
         return Muon(*muon_parameters(model), lr=t.lr, adamw_lr=t.muon_adamw_lr or t.lr, weight_decay=t.weight_decay,
                     betas=(t.beta1, t.beta2), momentum=t.muon_momentum, nesterov=t.muon_nesterov,
                     ns_steps=t.muon_ns_steps, adjust_lr=t.muon_adjust_lr)
-    return build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2))
+    return build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2), on_host)
 
 
 def add_lora(model: torch.nn.Module, peft) -> None:

@@ -7,7 +7,9 @@ memory allocated (the model lives on the meta device). What comes out is what ea
 its peak: parameter counts and parameter / gradient / optimizer bytes (fp32 weights and gradients, AdamW's two
 fp32 moments, Muon's one momentum), for the first rank of every pipeline stage, split into device and host bytes:
 under parallel.offload = 'params' the shards live on the host (as FSDP2's offload policy placed them) and the
-device holds the gathered weights alone.
+device holds the gathered weights alone; under 'optimizer' the optimizer's state, an fp32 master copy of the
+weights and a gradient buffer live on the host (moeflow/train/offload.py) and the device keeps weights and
+gradients.
 """
 
 from __future__ import annotations
@@ -63,11 +65,15 @@ def rank_state(cfg: JobConfig, world_size: int, rank: int) -> dict:
                         for g in optimizer.param_groups for p in g["params"])
         grads = sharded  # every stage reduce-scatters gradients into shards
         state = {"params": held * BYTES["params"], "grads": grads * BYTES["grads"], "optimizer": opt_bytes}
-        offloaded = _offloaded(par.model)
-        if offloaded:  # the shards, their gradients and the optimizer state on the host; gathered weights on device
+        offloaded = _offloaded(par.model, optimizer)
+        if offloaded == "params":  # the shards, their gradients and the optimizer state on the host; gathered weights
             gathered = (held if held != sharded else _largest_gathered(par.model)) * BYTES["params"]
             device, host = {"params": gathered, "grads": 0, "optimizer": 0}, {
                 "params": sharded * BYTES["params"], "grads": state["grads"], "optimizer": opt_bytes}
+        elif offloaded == "optimizer":  # the optimizer state, its fp32 master weights and a gradient buffer on the host
+            device = {**state, "optimizer": 0}
+            host = {"params": opt_params * BYTES["params"], "grads": opt_params * BYTES["grads"],
+                    "optimizer": opt_bytes}
         else:
             device, host = state, dict.fromkeys(state, 0)
         return {"rank": rank, "params": held, "expert_params": expert, "optimizer_params": opt_params,
@@ -85,11 +91,16 @@ def _param_groups(model: torch.nn.Module) -> list:
     return [g for g in groups if g is not None]
 
 
-def _offloaded(model: torch.nn.Module) -> bool:
-    """Whether FSDP2 keeps this model's shards on the host (its offload policy, as fully_shard applied it)."""
+def _offloaded(model: torch.nn.Module, optimizer) -> str:
+    """'params' where FSDP2 keeps this model's shards on the host (its offload policy, as fully_shard applied it),
+    'optimizer' where the optimizer keeps its state there, else 'none'."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    return any(isinstance(g.offload_policy, CPUOffloadPolicy) for g in _param_groups(model))
+    from moeflow.train.offload import HostOffloadAdamW
+
+    if any(isinstance(g.offload_policy, CPUOffloadPolicy) for g in _param_groups(model)):
+        return "params"
+    return "optimizer" if isinstance(optimizer, HostOffloadAdamW) else "none"
 
 
 def _largest_gathered(model: torch.nn.Module) -> int:
@@ -116,22 +127,25 @@ def dry_run(cfg: JobConfig, world_size: int) -> dict:
 def format_dry_run(out: dict) -> str:
     gib = 1 << 30
     dims = out["ranks"][0]["dims"]
-    offload = any(r["offload"] for r in out["ranks"])
+    offload = out["ranks"][0]["offload"]
     lines = [f"dry run: {out['model']} ({out['total_params']:,} parameters) on {out['world_size']} ranks",
              "  " + "  ".join(f"{k}={v}" for k, v in dims.items()),
              f"  {'rank':>6} {'params':>14} {'of total':>9} {'experts':>14} {'param GiB':>10} {'grad GiB':>9} "
-             f"{'optim GiB':>10}" + (f" {'device GiB':>11} {'host GiB':>9}" if offload else "")]
+             f"{'optim GiB':>10}" + (f" {'device GiB':>11} {'host GiB':>9}" if offload != "none" else "")]
     for r in out["ranks"]:
         b = r["bytes"]
         line = (f"  {r['rank']:>6} {r['params']:>14,} {r['params'] / out['total_params']:>9.2%} "
                 f"{r['expert_params']:>14,} {b['params'] / gib:>10.3f} {b['grads'] / gib:>9.3f} "
                 f"{b['optimizer'] / gib:>10.3f}")
-        if offload:
+        if offload != "none":
             line += (f" {sum(r['device_bytes'].values()) / gib:>11.3f} "
                      f"{sum(r['host_bytes'].values()) / gib:>9.3f}")
         lines.append(line)
     lines.append(f"  ideal 1/N: {out['ideal_params_per_rank']:,.0f} parameters per rank")
-    if offload:
+    if offload == "params":
         lines.append("  parallel.offload = 'params': the shards, their gradients and the optimizer state in host "
                      "memory; the device holds the gathered weights")
+    elif offload == "optimizer":
+        lines.append("  parallel.offload = 'optimizer': AdamW's state, fp32 master weights and a gradient buffer in "
+                     "host memory;\n  the device holds the weights and gradients")
     return "\n".join(lines)

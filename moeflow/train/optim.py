@@ -8,14 +8,20 @@ import torch
 from torch import nn
 
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]):
-    """AdamW over the model's parameters (under FSDP2 the sharded ones: every ZeRO stage shards the state)."""
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
+                    on_host: bool = False):
+    """AdamW over the model's parameters (under FSDP2 the sharded ones: every ZeRO stage shards the state); with
+    `on_host`, its state and step in host memory (parallel.offload = 'optimizer', moeflow/train/offload.py)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             # Norm weights and biases (1-D) are not decayed (Loshchilov & Hutter 2019 practice, as in GPT-2/3).
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if on_host:
+        from moeflow.train.offload import HostOffloadAdamW
+
+        return HostOffloadAdamW(groups, lr=lr, betas=betas, eps=1e-8)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, foreach=True)
 
 

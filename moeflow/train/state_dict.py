@@ -53,7 +53,12 @@ def model_state(part: nn.Module) -> dict[str, torch.Tensor]:
 def _full(t: torch.Tensor) -> torch.Tensor:
     # Experts are FSDP-sharded over a few ranks that hold the same experts: gather them (one layer at a
     # time, inside that small group) so each expert can be written under its own key.
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    if t.to_local().device.type != t.device_mesh.device_type:  # host memory (parallel.offload): gathered there
+        t = DTensor.from_local(t.to_local().to(t.device_mesh.device_type), t.device_mesh, t.placements,
+                               run_check=False, shape=t.shape, stride=t.stride())
+    return t.full_tensor()
 
 
 def _param_names(parts: list[nn.Module]) -> dict[int, str]:

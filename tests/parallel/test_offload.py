@@ -1,15 +1,20 @@
-"""parallel.offload = 'params' (ZeRO-Offload through FSDP2's CPUOffloadPolicy): a run trains exactly what the same
-layout trains without it (the same operations, the shards in host memory), under dp ZeRO-3, ZeRO-1, ep and tp on
-2 gloo ranks; the dry run reports the state on the host as FSDP2 placed it; what it cannot take is one line."""
+"""ZeRO-Offload. parallel.offload = 'params' (FSDP2's CPUOffloadPolicy) and 'optimizer' (AdamW's state and step on
+the host, moeflow/train/offload.py): a run trains exactly what the same layout trains without it (the same
+operations, the state in host memory), under dp ZeRO-3, ZeRO-1, ep and tp on 2 gloo ranks; the host optimizer is
+torch.optim.AdamW step for step, its state loads back, and a run stopped under it resumes exactly, also under
+another layout without offload; the dry run reports what sits on the host; what offload cannot take is one line."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+import torch
 
 from moeflow.config import load_config
 from moeflow.train.dry_run import dry_run
+from moeflow.train.offload import HostOffloadAdamW
 from tests.parallel.layout_worker import BASE, launch
 from tests.support.cli import assert_one_line
 
@@ -22,39 +27,85 @@ def _steps(run_dir) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
 
 
-@pytest.mark.slow  # 13 s: make test runs it, CI does not (the dry-run test checks the placement)
+def test_the_host_optimizer_is_torch_adamw_step_for_step():
+    """Two groups (decayed matrices, undecayed vectors), 4 steps of the same random gradients: the same weights as
+    torch.optim.AdamW (multi-tensor) bit for bit; the state sits apart from the weights and a fresh optimizer
+    given its state_dict continues as the first does."""
+    torch.manual_seed(0)
+    shapes = [(6, 5), (5,), (3, 4)]
+    start = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
+
+    def run(make, steps, state=None, init=start):
+        params = [torch.nn.Parameter(t.detach().clone()) for t in init]
+        groups = [{"params": [params[0], params[2]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0}]
+        opt = make(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+        if state is not None:
+            opt.load_state_dict(state)
+        for step in steps:
+            for p, g in zip(params, grads[step]):
+                p.grad = g.clone()
+            opt.step()
+        return params, opt
+
+    want, _ = run(lambda g, **kw: torch.optim.AdamW(g, foreach=True, **kw), range(4))
+    got, opt = run(HostOffloadAdamW, range(4))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    state = opt.state[got[0]]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and float(state["step"]) == 4
+    assert state["exp_avg"].data_ptr() != got[0].data_ptr()
+    halfway, first = run(HostOffloadAdamW, range(2))
+    resumed, _ = run(HostOffloadAdamW, range(2, 4), state=first.state_dict(), init=halfway)
+    assert all(torch.equal(a, b) for a, b in zip(resumed, want))
+
+
+@pytest.mark.slow  # 25 s: make test runs it, CI does not (the one-process and dry-run tests check the parts)
 def test_offloaded_runs_train_what_the_layout_trains(tmp_path):
     cases = []
     for name, argv in LAYOUTS.items():
-        for offload in ("none", "params"):
+        for offload in ("none", "params", "optimizer"):
             run = tmp_path / f"{name}-{offload}"
             cases.append((run.name, [*BASE, *argv, f"--parallel.offload={offload}", f"--run_dir={run}"], str(run),
                           False))
+    # stopped at step 2 under offload = 'optimizer' (ep=2, ZeRO-1), resumed as it was and under dp=2 ZeRO-3
+    stop = [*BASE, *LAYOUTS["zero1-ep2"], "--parallel.offload=optimizer"]
+    for run, resume_as in (("stop", stop), ("stop-resharded", [*BASE, "--parallel.zero=3"])):
+        cases.append((run, [*stop, "--training.stop_at=2", f"--run_dir={tmp_path / run}"], str(tmp_path / run), False))
+        cases.append((run, [*resume_as, f"--run_dir={tmp_path / run}"], str(tmp_path / run), True))
     results = launch(2, cases)
     assert set(results.values()) == {"ok"}, results
     for name in LAYOUTS:
-        plain, offloaded = _steps(tmp_path / f"{name}-none"), _steps(tmp_path / f"{name}-params")
-        assert offloaded == plain and len(plain) == 3, name
+        plain = _steps(tmp_path / f"{name}-none")
+        for offload in ("params", "optimizer"):
+            assert _steps(tmp_path / f"{name}-{offload}") == plain and len(plain) == 3, (name, offload)
+    assert _steps(tmp_path / "stop") == _steps(tmp_path / "zero1-ep2-none")
+    np.testing.assert_allclose(_steps(tmp_path / "stop-resharded"), _steps(tmp_path / "zero1-ep2-none"), rtol=1e-5)
 
 
 def test_the_dry_run_puts_the_state_on_the_host():
     overrides = {"parallel.ep": 2}
     plain = dry_run(load_config(None, overrides), 4)["ranks"][0]
     off = dry_run(load_config(None, {**overrides, "parallel.offload": "params"}), 4)["ranks"][0]
-    assert not plain["offload"] and off["offload"]
+    assert plain["offload"] == "none" and off["offload"] == "params"
     assert sum(plain["host_bytes"].values()) == 0 and plain["device_bytes"] == plain["bytes"]
     # the shards, their gradients and the optimizer state move to the host; ZeRO-3 gathers one unit at a time
     assert off["host_bytes"]["optimizer"] == plain["bytes"]["optimizer"] > 0
     assert off["host_bytes"]["grads"] == plain["bytes"]["grads"]
     assert off["device_bytes"]["optimizer"] == off["device_bytes"]["grads"] == 0
     assert 0 < off["device_bytes"]["params"] < plain["bytes"]["params"] * 4
+    # 'optimizer': the weights and gradients stay; the moments, an fp32 master copy and a gradient buffer go
+    opt = dry_run(load_config(None, {**overrides, "parallel.offload": "optimizer"}), 4)["ranks"][0]
+    assert opt["offload"] == "optimizer" and opt["device_bytes"] == {**plain["bytes"], "optimizer": 0}
+    assert opt["host_bytes"] == {"params": plain["bytes"]["grads"], "grads": plain["bytes"]["grads"],
+                                 "optimizer": plain["bytes"]["optimizer"]}
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"parallel.offload": "optimizer"}, r"parallel.offload = 'optimizer' \(the optimizer state alone on the host\)"),
     ({"parallel.offload": "nvme"}, r"parallel.offload"),
     ({"parallel.offload": "params", "training.optimizer": "muon"},
      r"parallel.offload = 'params' with training.optimizer = 'muon'"),
+    ({"parallel.offload": "optimizer", "training.optimizer": "muon"},
+     r"parallel.offload = 'optimizer' with training.optimizer = 'muon'"),
 ])
 def test_what_offload_cannot_take_is_one_line(changes, message):
     assert_one_line(lambda: load_config(None, changes).layout(2), message)

@@ -1,0 +1,107 @@
+"""parallel.offload = 'optimizer': ZeRO-Offload's optimizer half (Ren et al. 2021) - the weights and gradients stay
+on the device, AdamW's state and its update live in host memory.
+
+Per trainable parameter (its local shard under FSDP2 / TP / EP) the host keeps an fp32 master copy, AdamW's two
+moments and a gradient buffer (pinned where a GPU copies to and from it): 16 bytes per parameter on the host and
+8 fewer on the device than AdamW there. A step copies each gradient shard to the host, runs torch's own AdamW
+update (`torch.optim.adam.adam` with decoupled weight decay, multi-tensor, as torch.optim.AdamW runs it) on the
+host tensors, and copies the master copies back onto the device shards: 4 bytes per parameter each way per step, against
+parallel.offload = 'params', which moves the weights per micro-batch.
+
+The moments are DTensors where the parameter is one (same mesh and placements, host local tensors, as FSDP2's own
+CPU offload keeps its shards), so checkpoints store them by global shape and reshard; a loaded state arrives on the
+device and moves to the host at the next step. The master copies are not state: they equal the (fp32) weights,
+and are taken from them at the first step after the optimizer is built or its state loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
+
+HOST = torch.device("cpu")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _host_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (a host tensor shaped as p's shard) as p is: a DTensor over p's mesh where p is one."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return local
+
+
+def _pinned(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(like.shape, dtype=torch.float32, device=HOST, pin_memory=torch.cuda.is_available())
+
+
+class HostOffloadAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW (the same arguments, param groups, state names and update) whose state and update are in
+    host memory."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self._masters: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> its fp32 shard on the host
+        self._grads: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> the host buffer of its gradient shard
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._masters.clear()
+
+    def _state(self, p: torch.Tensor) -> dict:
+        """p's state on the host (created zero, or moved there once after a load)."""
+        state = self.state[p]
+        if not state:
+            self._masters.pop(p, None)
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = _host_like(p, _pinned(_local(p)))
+            state["exp_avg_sq"] = _host_like(p, _pinned(_local(p)))
+        for key in ("exp_avg", "exp_avg_sq"):
+            if _local(state[key]).device != HOST:  # loaded from a checkpoint onto the parameter's device
+                self._masters.pop(p, None)
+                host = _pinned(_local(state[key]))
+                host.copy_(_local(state[key]))
+                state[key] = _host_like(p, host)
+        state["step"] = state["step"].to(HOST, torch.float32)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        copied = []
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._state(p)
+                if p not in self._masters:
+                    self._masters[p] = _pinned(_local(p))
+                    self._masters[p].copy_(_local(p))
+                if p not in self._grads:
+                    self._grads[p] = _pinned(_local(p))
+                self._grads[p].copy_(_local(p.grad), non_blocking=True)
+                params.append(self._masters[p])
+                grads.append(self._grads[p])
+                exp_avgs.append(_local(state["exp_avg"]))
+                exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+                steps.append(state["step"])
+                copied.append(p)
+            if not params:
+                continue
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()  # the gradients' copies have landed
+            beta1, beta2 = group["betas"]
+            adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, amsgrad=group["amsgrad"],
+                 beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                 maximize=group["maximize"], decoupled_weight_decay=True)
+        for p in copied:
+            _local(p).copy_(self._masters[p], non_blocking=True)
+        return loss
