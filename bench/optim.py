@@ -13,8 +13,10 @@ backward, optimizer) and the optimizer step alone, in ms; for Muon also the time
 wrapping moeflow.train.muon.newton_schulz) and the number of matrices each rank orthogonalised, summed over the
 ranks against the matrices of the model (each once: no matrix twice), and the bytes one rank's Muon step sends
 (counted from its collectives' tensors, ring volumes: tests/support/collective_bytes.py) against moeflow plan's
-prediction for the layout (moeflow.plan.optimizer). Target (issue): the Muon step <= 1.15x
-AdamW's at 1 rank.
+prediction for the layout (moeflow.plan.optimizer). Muon runs twice: with the sharded matrices' scheme the
+trainer uses (each matrix's shards to one owner rank and its result back, two all-to-alls: `muon`) and with the
+one it replaced (every shard to every rank, the results summed: `muon-gather`), which chose it. Target (issue):
+the Muon step <= 1.15x AdamW's at 1 rank.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+OPTIMIZERS = ("adamw", "muon", "muon-gather")
+SCHEMES = {"muon-gather": "gather_and_sum"}  # moeflow.train.muon._ShardedMatrices.SCHEME of each Muon run
 CASES = {"1 process": (1, {}), "dp_shard=2": (2, {"parallel.zero": 3}), "ep=2": (2, {"parallel.ep": 2}),
          "tp=2": (2, {"parallel.tp": 2}), "dp_shard=4": (4, {"parallel.zero": 3}), "ep=4": (4, {"parallel.ep": 4})}
 B, S = 4, 128
@@ -59,9 +63,9 @@ def _worker(rank: int, world: int, layout: dict, repeats: int, tmp: str) -> None
 
     muon_module.newton_schulz = timed
     runs = {}
-    for name in ("adamw", "muon"):
-        cfg = load_config(None, {"training.optimizer": name, "data.seq_len": S, "training.global_batch": B * world,
-                                 **layout})
+    for name in OPTIMIZERS:
+        cfg = load_config(None, {"training.optimizer": name.split("-")[0], "data.seq_len": S,
+                                 "training.global_batch": B * world, **layout})
         dims, batch = cfg.layout(world)
         torch.manual_seed(0)
         par, opt, _ = build_model(cfg, torch.device("cpu"), dims, batch)
@@ -71,6 +75,7 @@ def _worker(rank: int, world: int, layout: dict, repeats: int, tmp: str) -> None
 
     def step(name: str) -> tuple[float, float]:
         par, opt = runs[name]
+        muon_module._ShardedMatrices.SCHEME = SCHEMES.get(name, "all_to_all")
         t0 = time.perf_counter()
         par.runner.train_step(ids[:, :-1], ids[:, 1:])
         t1 = time.perf_counter()
@@ -84,7 +89,7 @@ def _worker(rank: int, world: int, layout: dict, repeats: int, tmp: str) -> None
     calls.update(n=0, s=0.0)
     times = {name: [] for name in runs}
     for r in range(repeats):
-        for name in (("adamw", "muon") if r % 2 == 0 else ("muon", "adamw")):
+        for name in (OPTIMIZERS if r % 2 == 0 else OPTIMIZERS[::-1]):
             times[name].append(step(name))
     from moeflow.models.transformer import Transformer
 
@@ -93,8 +98,12 @@ def _worker(rank: int, world: int, layout: dict, repeats: int, tmp: str) -> None
     matrices = sum(p.shape[0] if p.ndim == 3 else 1 for p in muon_module.muon_parameters(whole)[0])
     out = {name: {"step_s": statistics.median(t for t, _ in v), "optim_s": statistics.median(o for _, o in v)}
            for name, v in times.items()}
-    out["muon"].update(ns_s=calls["s"] / repeats, ns_matrices=calls["n"] / repeats, model_matrices=matrices,
+    muon_module._ShardedMatrices.SCHEME = "all_to_all"
+    out["muon"].update(ns_s=calls["s"] / repeats / 2, ns_matrices=calls["n"] / repeats / 2, model_matrices=matrices,
                        **_bytes_against_plan(cfg, dims, runs["muon"], ids))
+    muon_module._ShardedMatrices.SCHEME = SCHEMES["muon-gather"]
+    out["muon-gather"].update(**_bytes_against_plan(cfg, dims, runs["muon-gather"], ids))
+    muon_module._ShardedMatrices.SCHEME = "all_to_all"
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
     if world > 1:
         dist.destroy_process_group()
@@ -136,29 +145,32 @@ def main(argv=None) -> int:
             else:
                 mp.spawn(_worker, args=(world, layout, repeats, tmp), nprocs=world, join=True)
             ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
-        for name in ("adamw", "muon"):
+        for name in OPTIMIZERS:
             row = {"case": case, "optimizer": name,
                    "step_ms": 1e3 * max(r[name]["step_s"] for r in ranks),
                    "optim_ms": 1e3 * max(r[name]["optim_s"] for r in ranks)}
             if name == "muon":
                 row.update(ns_ms=1e3 * max(r["muon"]["ns_s"] for r in ranks),
                            ns_matrices=sum(r["muon"]["ns_matrices"] for r in ranks),
-                           model_matrices=ranks[0]["muon"]["model_matrices"],
-                           sent_mb=max(r["muon"]["sent_bytes"] for r in ranks) / 1e6,
-                           planned_mb=max(r["muon"]["planned_bytes"] for r in ranks) / 1e6)
+                           model_matrices=ranks[0]["muon"]["model_matrices"])
+            if name != "adamw":  # the planner costs the trainer's scheme: the mean rank's bytes
+                row.update(sent_mb=max(r[name]["sent_bytes"] for r in ranks) / 1e6,
+                           mean_sent_mb=statistics.mean(r[name]["sent_bytes"] for r in ranks) / 1e6,
+                           planned_mb=max(r[name]["planned_bytes"] for r in ranks) / 1e6)
             rows.append(row)
     by = {(r["case"], r["optimizer"]): r for r in rows}
     print(f"\ntiny-moe, fp32, {B} x {S} tokens per rank, medians of {repeats} alternating steps (slowest rank)\n")
-    print(f"{'case':<12} {'optimizer':<7} {'step ms':>8} {'optim ms':>9} {'NS ms':>7} {'matrices NS / model':>20}"
-          f" {'step vs adamw':>14} {'MB sent / planned':>18}")
+    print(f"{'case':<12} {'optimizer':<11} {'step ms':>8} {'optim ms':>9} {'NS ms':>7} {'matrices NS / model':>20}"
+          f" {'step vs adamw':>14} {'MB sent max / mean / planned':>29}")
     for r in rows:
         ratio = r["step_ms"] / by[(r["case"], "adamw")]["step_ms"]
         ns = f"{r['ns_ms']:.1f}" if "ns_ms" in r else "-"
         mats = f"{r['ns_matrices']:.0f} / {r['model_matrices']}" if "ns_matrices" in r else "-"
         r["step_vs_adamw"] = ratio
-        sent = f"{r['sent_mb']:.3f} / {r['planned_mb']:.3f}" if "sent_mb" in r else "-"
-        print(f"{r['case']:<12} {r['optimizer']:<7} {r['step_ms']:>8.1f} {r['optim_ms']:>9.1f} {ns:>7} {mats:>20}"
-              f" {ratio:>14.2f} {sent:>18}")
+        sent = (f"{r['sent_mb']:.3f} / {r['mean_sent_mb']:.3f} / "
+                f"{r['planned_mb'] if r['optimizer'] == 'muon' else float('nan'):.3f}" if "sent_mb" in r else "-")
+        print(f"{r['case']:<12} {r['optimizer']:<11} {r['step_ms']:>8.1f} {r['optim_ms']:>9.1f} {ns:>7} {mats:>20}"
+              f" {ratio:>14.2f} {sent:>29}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, "tokens_per_rank": B * S,
@@ -189,10 +201,10 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     cases = list(dict.fromkeys(r["case"] for r in rows))
     fig, ax = plt.subplots(figsize=(6, 3))
-    for i, name in enumerate(("adamw", "muon")):
-        ax.bar([x + 0.4 * i for x in range(len(cases))], [r["step_ms"] for r in rows if r["optimizer"] == name],
-               0.4, label=name)
-    ax.set_xticks([x + 0.2 for x in range(len(cases))], cases)
+    for i, name in enumerate(OPTIMIZERS):
+        ax.bar([x + 0.27 * i for x in range(len(cases))], [r["step_ms"] for r in rows if r["optimizer"] == name],
+               0.27, label=name)
+    ax.set_xticks([x + 0.27 for x in range(len(cases))], cases)
     ax.set_ylabel("training step, ms (slowest rank)")
     ax.legend()
     fig.tight_layout()

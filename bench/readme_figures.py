@@ -274,16 +274,25 @@ def optim() -> str:
     r = _load("optim")
     meta, rows = r["meta"], r["rows"]
     lines = [_wrap(f"`bench/optim.py` (`bench/results/optim.json`): tiny-moe, fp32, {meta['tokens_per_rank']} "
-                   f"tokens per rank, medians of {meta['repeats']} alternating steps of the slowest rank:"), "",
+                   f"tokens per rank, medians of {meta['repeats']} alternating steps of the slowest rank; `muon` "
+                   f"sends each sharded matrix to one owner rank and its result back (two all-to-alls, the "
+                   f"trainer's scheme), `muon-gather` every shard to every rank and the results summed (the scheme "
+                   f"it replaced):"), "",
              "| layout | optimizer | training step | optimizer step | Newton-Schulz | matrices orthogonalised / in the "
-             "model | step vs AdamW |", "|---|---|---|---|---|---|---|"]
+             "model | MB sent per step (max rank / planned) | step vs AdamW |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         muon = row["optimizer"] == "muon"
+        sent = ("-" if "sent_mb" not in row else f"{row['sent_mb']:.3f} / {row['planned_mb']:.3f}" if muon
+                else f"{row['sent_mb']:.3f}")
         lines.append(f"| {row['case']} | {row['optimizer']} | {row['step_ms']:.1f} ms | {row['optim_ms']:.1f} ms | "
                      + (f"{row['ns_ms']:.1f} ms | {row['ns_matrices']:.0f} / {row['model_matrices']}" if muon
-                        else "- | -") + f" | {row['step_vs_adamw']:.2f} |")
-    one = next(row for row in rows if row["optimizer"] == "muon" and row["case"] == "1 process")
+                        else "- | -") + f" | {sent} | {row['step_vs_adamw']:.2f} |")
+    by = {(row["case"], row["optimizer"]): row for row in rows}
+    one = by[("1 process", "muon")]
     step_gflop = meta["train_gflop_per_token"] * meta["tokens_per_rank"]
+    d2, d4 = ((by[(c, "muon-gather")], by[(c, "muon")]) for c in ("dp_shard=2", "dp_shard=4"))
+    worst = max(abs(row["sent_mb"] / row["planned_mb"] - 1) for row in rows
+                if row["optimizer"] == "muon" and row.get("planned_mb"))
     lines += ["", _wrap(
         f"At 1 process the Muon step is {one['step_vs_adamw']:.2f}x AdamW's (target 1.15x: not met). Newton-Schulz "
         f"(bf16, each rank's matrices stacked by shape into one batched chain) takes {one['ns_ms']:.1f} ms of the "
@@ -292,9 +301,13 @@ def optim() -> str:
         f"backward of {meta['tokens_per_rank']} tokens, so at this batch no kernel brings the ratio to 1.15x; "
         f"Newton-Schulz is 15% of the training FLOPs from "
         f"{meta['ns_gflop_per_step'] / (0.15 * meta['train_gflop_per_token']):,.0f} tokens per step (a pretraining "
-        f"batch is millions). Under 2 and 4 gloo ranks the sharded updates of a step travel together: one "
-        f"all-gather and one all-reduce per 64 MB of them (not two per tensor), the bytes the planner predicts. "
-        f"Every matrix is orthogonalised once, by one rank, under every layout.")]
+        f"batch is millions). Under 2 and 4 gloo ranks the all-to-all scheme sends "
+        f"{d2[0]['sent_mb'] / d2[1]['sent_mb']:.0f}x and {d4[0]['sent_mb'] / d4[1]['sent_mb']:.0f}x fewer bytes "
+        f"than gathering (dp_shard=2 and 4: the experts, cut between matrices, move nothing) and takes the Muon "
+        f"step from {d2[0]['step_vs_adamw']:.2f}x to {d2[1]['step_vs_adamw']:.2f}x AdamW's at dp_shard=2 and from "
+        f"{d4[0]['step_vs_adamw']:.2f}x to {d4[1]['step_vs_adamw']:.2f}x at 4; the busiest rank sends within "
+        f"{worst:.1%} of the planner's figure (the mean rank's). Every matrix is orthogonalised once, by one "
+        f"rank, under every layout.")]
     return "\n".join(lines)
 
 

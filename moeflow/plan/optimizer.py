@@ -3,11 +3,17 @@
 AdamW is the planner's baseline (its state is moeflow.plan.memory's 12 bytes per parameter; its step, elementwise
 and local to each shard, is not modelled). Under `training.optimizer = "muon"` (moeflow.train.muon) the matrices
 of the blocks keep fp32 master weights and one fp32 momentum (8 bytes per parameter, not AdamW's 12); the
-embedding, head, norms and router gates stay with AdamW. Each step, per Muon parameter held as a shard of a mesh
-of g ranks, the trainer gathers the whole fp32 update (an all-gather: 4 n (g - 1) / g bytes per rank for n
-elements), orthogonalises matrix i on rank i mod g alone, and sums the bf16 results over the mesh (an
-all-reduce: 2 x 2 n (g - 1) / g), so every matrix is orthogonalised once per step; a parameter a rank holds
-whole (g = 1: an expert slice under ep with no expert sharding) moves nothing. Newton-Schulz on an [A, B] matrix
+embedding, head, norms and router gates stay with AdamW. Each step every matrix is orthogonalised once, by one
+rank (moeflow.train.muon). A Muon parameter cut over one mesh dim of n ranks (FSDP2 alone, TP alone, the experts'
+sharding group) goes by two all-to-alls: each rank sends its fp32 shard of matrix i to the matrix's owner (rank
+i mod n) and the owner sends each rank its piece of the bf16 result, so per matrix of s elements 4 s (n - 1) / n
+bytes travel there and 2 s (n - 1) / n back, summed over the ranks: 6 n_el (n - 1) / n^2 per rank on average for a
+tensor of n_el elements (the figure costed), in 2 (n - 1) point-to-point hops; a 3-D experts tensor, which FSDP2
+cuts between matrices (along E), is orthogonalised where it lies and moves nothing. A parameter cut over several
+mesh dims (HSDP, FSDP over TP) is gathered whole (an all-gather: 4 n_el (g - 1) / g bytes per rank over the g
+ranks of the mesh), matrix i orthogonalised on rank i mod g alone, and the bf16 results summed over each mesh dim
+(an all-reduce: 2 x 2 n_el (n - 1) / n per dim of n ranks). A parameter a rank holds whole (g = 1: an expert
+slice under ep with no expert sharding) moves nothing. Newton-Schulz on an [A, B] matrix
 with s = min(A, B), l = max(A, B) costs per iteration 2 s^2 l (X X^T), 2 s^3 ((X X^T)^2) and 2 s^2 l (the update
 times X): steps x (4 s^2 l + 2 s^3) FLOPs, timed at the bf16 matmul rate. None of it overlaps the step's compute
 (it runs after backward).
@@ -118,8 +124,11 @@ def _layer_cost(job: Job, lay: Layout, kind: str) -> dict[str, float]:
         cost["ns_flops"] += matrices * ns_flops(rows, cols, job.ns_steps) / g
         cost["muon_params"] += elements / (g // lay.dp_replicate if dims else 1)  # HSDP's replicas: copies
         cost["largest_tensor"] = max(cost["largest_tensor"], elements)
-        if g > 1:  # the fp32 update gathered whole, then the bf16 results summed over each mesh dimension
-            link = "inter" if g > job.gpus_per_node else "intra"
+        link = "inter" if g > job.gpus_per_node else "intra"
+        if len(dims) == 1 and not routed:  # cut inside each matrix over one mesh dim: the two all-to-alls
+            cost[f"{link}_bytes"] += 6 * elements * (g - 1) / g ** 2
+            cost[f"{link}_hops"] += 2 * (g - 1)
+        elif len(dims) > 1:  # the fp32 update gathered whole, then the bf16 results summed over each mesh dim
             cost[f"{link}_bytes"] += 4 * elements * (g - 1) / g + sum(4 * elements * (n - 1) / n for n in dims)
             cost[f"{link}_hops"] += g - 1 + sum(2 * (n - 1) for n in dims)
     cache[key] = cost

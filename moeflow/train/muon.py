@@ -13,11 +13,11 @@ low-rank projections); AdamW (`torch.optim.adam.adam`, decoupled weight decay: t
 names) keeps the embedding, the output head, norms, biases, the routers' gates and anything 1-D, with its own
 learning rate (training.muon_adamw_lr, default training.lr).
 
-Sharded layouts (FSDP2, ZeRO-1, tp, efsdp): Newton-Schulz needs each whole matrix, so a sharded update is gathered
-on its mesh, each matrix is orthogonalised by one rank of it, and the results come back to the shards
-(`_orthogonalised`, or for updates cut over one mesh dim `_ShardedMatrices`: every pending shard in one
-all-gather, every result in one all-reduce); the updates a rank holds whole are orthogonalised stacked by shape
-(`_LocalMatrices`).
+Sharded layouts (FSDP2, ZeRO-1, tp, efsdp): Newton-Schulz needs each whole matrix, so each matrix of a sharded
+update is orthogonalised by one rank of its mesh and the results come back to the shards: for updates cut over one
+mesh dim by two all-to-alls (`_ShardedMatrices`: the shards to each matrix's owner, its result's pieces back),
+for those cut over several by a gather and a sum (`_orthogonalised`); the updates a rank holds whole are
+orthogonalised stacked by shape (`_LocalMatrices`).
 docs/design.md, "Optimizers"; its cost per layout: moeflow.plan.optimizer.
 """
 
@@ -115,17 +115,18 @@ def _orthogonalised(update: torch.Tensor, steps: int, turn: int) -> tuple[torch.
 
 
 class _ShardedMatrices:
-    """Updates cut over one mesh dim (FSDP2's Shard(0), TP's column / row shards), orthogonalised
-    together: each pending update's local shard travels in one all-gather, matrix i of them is orthogonalised by
-    rank (turn + i) mod n alone (stacked by shape, one batched Newton-Schulz per shape), and the bf16 results come
-    back in one all-reduce; every rank then cuts out its shard. Two collectives per flush instead of two per
-    tensor (each collective's latency, not its bytes, dominated a Muon step on small tensors); the bytes sent
-    are the per-tensor scheme's. One bucket per (mesh, dim) - expert slices over efsdp and the rest over dp_shard
+    """Updates cut over one mesh dim (FSDP2's Shard(0), TP's column / row shards), orthogonalised together.
+    Matrix i of the pending updates belongs to rank (turn + i) mod n: one all-to-all sends each rank's fp32 shard
+    of it there, the owner orthogonalises its matrices (stacked by shape, one batched Newton-Schulz per shape),
+    and a second all-to-all sends each rank its piece of every bf16 result. A 3-D experts tensor cut along E
+    (between its matrices) is orthogonalised where it lies. Two collectives per flush, each matrix moved to one
+    rank and back (the scheme bench/optim.py chose over `_gather_and_sum`, which moves it to every rank and sums
+    the results: SCHEME). One bucket per (mesh, dim) - expert slices over efsdp and the rest over dp_shard
     interleave layer by layer, and each bucket still fills one collective - flushed once `PENDING_BYTES` of
-    whole updates wait in it, and all at the end of the step; a flush holds about four times that much at its
-    peak (the gathered shards, the whole matrices, the results and their sum)."""
+    whole updates wait in it, and all at the end of the step."""
 
     PENDING_BYTES = 64 * 2**20
+    SCHEME = "all_to_all"  # or "gather_and_sum" (docs/design.md, "Optimizers": chosen by bench/optim.py)
 
     def __init__(self, steps: int, apply):
         self.steps, self.apply = steps, apply
@@ -160,12 +161,103 @@ class _ShardedMatrices:
             self._flush(key)
 
     def _flush(self, key: tuple) -> None:
+        pending = self.buckets.pop(key)
+        del self.bytes[key]
+        (self._all_to_all if self.SCHEME == "all_to_all" else self._gather_and_sum)(pending, *key)
+
+    def _all_to_all(self, pending: list, mesh, k: int) -> None:
+        """Each matrix whole on one rank, and its result back to the shards, in two all-to-alls (class doc)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        n, me = mesh.size(k), mesh.get_local_rank(k)
+        group = mesh.get_group(k)
+        # per update: its local matrices, the matrix dim its cut falls on (None: the cut is between matrices, so
+        # this rank holds its matrices whole) and every rank's (length, offset) along that dim
+        cuts = []
+        for _, u, _ in pending:
+            d = u.placements[k].dim % u.ndim
+            shard = u.to_local()
+            local = shard.reshape(math.prod(shard.shape[:-2]), *shard.shape[-2:])  # (an empty shard: 0 rows)
+            if d < u.ndim - 2:
+                cuts.append((local, None, None))
+            else:
+                cuts.append((local, d - (u.ndim - 2), [Shard.local_shard_size_and_offset(u.shape[d], n, r)
+                                                         for r in range(n)]))
+
+        def piece(matrix: torch.Tensor, md: int, spans, r: int) -> torch.Tensor:
+            return matrix.narrow(md, spans[r][1], spans[r][0])
+
+        # (update, matrix) pairs cut across ranks, each with its owner: rank (turn + i) mod n
+        cut = [(j, i, (turn + i) % n) for j, (_, u, turn) in enumerate(pending) if cuts[j][1] is not None
+               for i in range(u.shape[:-2].numel())]
+        mine = [(j, i) for j, i, owner in cut if owner == me]
+
+        def piece_shape(j: int, r: int) -> list[int]:
+            local, md, spans = cuts[j]
+            shape = list(pending[j][1].shape[-2:])
+            shape[md] = spans[r][0]
+            return shape
+
+        wholes = {}
+        if cut:  # every shard to its matrix's owner
+            send = [[cuts[j][0][i].reshape(-1) for j, i, owner in cut if owner == r] for r in range(n)]
+            sizes_in = [sum(t.numel() for t in ts) for ts in send]
+            sizes_out = [sum(math.prod(piece_shape(j, r)) for j, _ in mine) for r in range(n)]
+            dtype = pending[0][1].dtype
+            received = torch.empty(sum(sizes_out), dtype=dtype, device=cuts[0][0].device)
+            sent = torch.cat([t for ts in send for t in ts]).to(dtype) if sum(sizes_in) else received.new_empty(0)
+            torch.distributed.all_to_all_single(received, sent, sizes_out, sizes_in, group=group)
+            pieces, start = {}, 0
+            for r in range(n):
+                for j, i in mine:
+                    size = math.prod(piece_shape(j, r))
+                    pieces.setdefault((j, i), []).append(received[start:start + size].view(piece_shape(j, r)))
+                    start += size
+            wholes = {ji: torch.cat(ps, dim=cuts[ji[0]][1]) for ji, ps in pieces.items()}
+        # Newton-Schulz on every matrix this rank holds whole or owns, stacked by shape
+        todo = [((j, None), local) for j, (local, md, _) in enumerate(cuts) if md is None and len(local)]
+        todo += [((j, i), m.unsqueeze(0)) for (j, i), m in wholes.items()]
+        by_shape: dict[torch.Size, list] = {}
+        for key, stack in todo:
+            by_shape.setdefault(stack.shape[-2:], []).append((key, stack))
+        results = {}
+        for group_ in by_shape.values():
+            done = newton_schulz(torch.cat([stack for _, stack in group_]), self.steps).to(torch.bfloat16)
+            for (key, _), out in zip(group_, done.split([len(stack) for _, stack in group_])):
+                results[key] = out
+        received = None
+        if cut:  # every result's pieces back to their ranks
+            back = [[piece(results[(j, i)][0], cuts[j][1], cuts[j][2], r).reshape(-1) for j, i in mine]
+                    for r in range(n)]
+            sizes_in = [sum(t.numel() for t in ts) for ts in back]
+            sizes_out = [sum(math.prod(piece_shape(j, me)) for j, _, owner in cut if owner == r) for r in range(n)]
+            received = torch.empty(sum(sizes_out), dtype=torch.bfloat16, device=cuts[0][0].device)
+            sent = (torch.cat([t for ts in back for t in ts]) if sum(sizes_in)
+                    else received.new_empty(0))
+            torch.distributed.all_to_all_single(received, sent, sizes_out, sizes_in, group=group)
+        outs, start = {}, 0
+        for r in range(n):
+            for j, i, owner in cut:
+                if owner == r:
+                    size = math.prod(piece_shape(j, me))
+                    outs.setdefault(j, {})[i] = received[start:start + size].view(piece_shape(j, me))
+                    start += size
+        for j, (p, u, _) in enumerate(pending):
+            local, md, _ = cuts[j]
+            if md is None:
+                mine_local = results[(j, None)] if len(local) else local.to(torch.bfloat16)
+            else:
+                mine_local = torch.stack([outs[j][i] for i in range(local.shape[0])])
+            ortho = DTensor.from_local(mine_local.view(u.to_local().shape), mesh, u.placements, run_check=False,
+                                       shape=u.shape, stride=u.stride())
+            self.apply(p, ortho)
+
+    def _gather_and_sum(self, pending: list, mesh, k: int) -> None:
+        """Every shard to every rank in one all-gather, matrix i orthogonalised by rank (turn + i) mod n alone,
+        the results summed in one all-reduce (the scheme bench/optim.py measures all-to-all against)."""
         import torch.distributed._functional_collectives as funcol
         from torch.distributed.tensor import DTensor, Shard
 
-        pending = self.buckets.pop(key)
-        del self.bytes[key]
-        mesh, k = key
         n, me = mesh.size(k), mesh.get_local_rank(k)
         dims = [u.placements[k].dim % u.ndim for _, u, _ in pending]
         # every rank's slot for an update holds its largest chunk: equal sizes for the one all-gather

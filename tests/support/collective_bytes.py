@@ -3,7 +3,8 @@ a TorchDispatchMode sees every c10d op (torch.distributed's calls) and functiona
 their tensors and group sizes, so a count does not trust the code that issued them.
 
 Ring volumes per rank (Patarasuk & Yuan 2009; Thakur et al. 2005): an all-gather of an n-byte shard over g ranks
-sends (g - 1) n; an all-reduce of n bytes 2 (g - 1) / g n; a reduce-scatter of an n-byte input (g - 1) / g n."""
+sends (g - 1) n; an all-reduce of n bytes 2 (g - 1) / g n; a reduce-scatter of an n-byte input (g - 1) / g n; an
+all-to-all what its input holds for the other ranks."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ class CollectiveBytes(TorchDispatchMode):
             self._count(name, sum(2 * (g - 1) / g * _bytes(t) for t in args[0]))
         elif name.startswith("_c10d_functional::reduce_scatter_tensor"):
             self._count(name, (args[2] - 1) / args[2] * _bytes(args[0]))
+        elif name.startswith("c10d::alltoall_base_"):  # what the input sends to the other ranks
+            output, input_, group, _, splits = args[:5]
+            me = torch.distributed.ProcessGroup.unbox(group).rank()
+            if not splits:  # equal splits
+                splits = [input_.numel() // torch.distributed.ProcessGroup.unbox(group).size()] * (me + 1)
+            self._count(name, _bytes(input_) - splits[me] * input_.element_size())
         elif ("c10d" in name and "wait" not in name and "wrap" not in name):
             raise NotImplementedError(f"CollectiveBytes has no ring volume for {name}")
         return func(*args, **(kwargs or {}))
