@@ -82,7 +82,7 @@ def _moeflow(folder: Path, lora_on: bool, work: Path):
         lora.add(model, RANK, ALPHA, 0.0, "auto", True)
     state = moeflow.parallelize(model, moeflow.ParallelDims(1))
     if lora_on:
-        lora.init([model], 0, {}, cfg.moe.num_experts)
+        lora.init([model], 0, {}, {})
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
     def step(inputs, targets):

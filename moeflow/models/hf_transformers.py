@@ -159,6 +159,11 @@ def architecture_of(folder: str | Path) -> str:
     return (hf.get("architectures") or [hf.get("model_type", "?")])[0]
 
 
+def is_hf_experts(module: nn.Module) -> bool:
+    """A transformers experts module decorated with `use_experts_implementation` (it sets `_is_expert_parallel`)."""
+    return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
+
+
 def model_label(m: ModelConfig) -> str:
     """What a run's summary calls its model: the preset's name, or for a Hugging Face folder its architecture and
     whose modules ran it."""

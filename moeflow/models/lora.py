@@ -153,7 +153,7 @@ def add(model: nn.Module, rank: int, alpha: float, dropout: float, modules: str,
     """Freeze every base parameter and add adapters to the layers named by `modules` (leaf names, 'auto' for
     DEFAULT_MODULES) and, with `experts`, to every GroupedExperts and transformers experts module; returns how
     many layers got one."""
-    from moeflow.parallel.hf_experts import is_hf_experts
+    from moeflow.models.hf_transformers import is_hf_experts
 
     for p in model.parameters():
         p.requires_grad_(False)
@@ -184,18 +184,15 @@ def _seed_of(seed: int, fqn: str) -> int:
 
 
 @torch.no_grad()
-def init(parts: list[nn.Module], seed: int, expert_slices: dict[str, tuple[int, int]], num_experts: int) -> None:
+def init(parts: list[nn.Module], seed: int, expert_slices: dict[str, tuple[int, int]],
+         num_experts: dict[str, int]) -> None:
     """Every A as peft initialises it (Kaiming-uniform with a = sqrt(5), as nn.Linear's weight), every B zero.
     Each factor is drawn whole from a generator seeded by (seed, its name) and this rank keeps its part: its
-    experts (`expert_slices`: {fqn: (first global expert, count)} of the model's `num_experts`, or of a
-    transformers experts module's own count) and, under FSDP2 / TP, its shard."""
+    experts (`expert_slices`: {fqn: (first global expert, count)} of the layer's `num_experts[fqn]`) and, under
+    FSDP2 / TP, its shard."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from moeflow.parallel.hf_experts import global_num_experts, is_hf_experts
-
     for part in parts:
-        totals = {f"{name}.{factor}": global_num_experts(m) for name, m in part.named_modules() if is_hf_experts(m)
-                  for factor in EXPERT_FACTORS}
         for fqn, p in part.named_parameters():
             if not is_factor(fqn):
                 continue
@@ -205,7 +202,7 @@ def init(parts: list[nn.Module], seed: int, expert_slices: dict[str, tuple[int, 
             first, count = expert_slices.get(fqn, (0, None))
             shape = list(p.shape)
             if count is not None:  # experts held here of the layer's E: draw all E, keep ours
-                shape[0] = totals.get(fqn, num_experts)
+                shape[0] = num_experts[fqn]
             gen = torch.Generator().manual_seed(_seed_of(seed, fqn))
             fan_in = shape[-1]
             bound = 1 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / (1 + 5)) * sqrt(3 / fan_in)
@@ -226,7 +223,7 @@ def merge(model: nn.Module) -> nn.Module:
         for child_name, child in list(parent.named_children()):
             if isinstance(child, LoRALinear):
                 setattr(parent, child_name, child.merged())
-    from moeflow.parallel.hf_experts import is_hf_experts
+    from moeflow.models.hf_transformers import is_hf_experts
 
     for m in model.modules():
         if isinstance(m, GroupedExperts) and hasattr(m, "lora_gate_up_A"):
@@ -264,7 +261,7 @@ def meta_model(cfg) -> nn.Module:
 def check_targets(cfg, rank: int, modules: str, experts: bool) -> None:
     """ValueError naming the setting when `modules` names a layer the model lacks, nothing would be adapted, or
     `rank` exceeds the narrowest adapted layer (checked on the meta device: nothing is allocated)."""
-    from moeflow.parallel.hf_experts import is_hf_experts
+    from moeflow.models.hf_transformers import is_hf_experts
 
     model = meta_model(cfg)
     present = linear_targets(model)
@@ -277,10 +274,13 @@ def check_targets(cfg, rank: int, modules: str, experts: bool) -> None:
     if experts:
         for m in model.modules():
             if isinstance(m, GroupedExperts):
-                widths["experts"] = min(m.dim, m.hidden)
+                width = min(m.dim, m.hidden)
             elif is_hf_experts(m) and hf_factor_shapes(m, 1):
-                widths["experts"] = min(min(getattr(m, w).shape[1:]) for w, kind in HF_EXPERT_WEIGHTS.items()
-                                        if f"lora_{kind}_A" in hf_factor_shapes(m, 1))
+                width = min(min(getattr(m, w).shape[1:]) for w, kind in HF_EXPERT_WEIGHTS.items()
+                            if f"lora_{kind}_A" in hf_factor_shapes(m, 1))
+            else:
+                continue
+            widths["experts"] = min(width, widths.get("experts", width))
     if not widths:
         raise ValueError(f"peft.modules = {modules!r} with peft.experts = {str(experts).lower()} adapts nothing in "
                          f"this model; name some of {', '.join(sorted(present))}")

@@ -27,7 +27,10 @@ import torch
 from torch import nn
 
 from moeflow.ep.buffer import Buffer
+from moeflow.models.hf_transformers import is_hf_experts
 from moeflow.models.lora import LORA_EXPERTS_IMPLEMENTATION
+
+__all__ = ["is_hf_experts"]  # (defined with transformers' model, used with the rest here)
 
 # the expert tensors transformers' experts functions read; an experts module may hold more, all per expert
 # (ergo's post_expert_norm.weight): expert_tensor_names
@@ -38,11 +41,6 @@ LOCAL_EXPERTS_IMPLEMENTATION = "grouped_mm"
 # experts module -> (its Buffer, E, first global expert held here): kept beside the module, which gains no
 # attribute
 _EXPERT_PARALLEL: weakref.WeakKeyDictionary[nn.Module, tuple[Buffer, int, int]] = weakref.WeakKeyDictionary()
-
-
-def is_hf_experts(module: nn.Module) -> bool:
-    """A transformers experts module decorated with `use_experts_implementation` (it sets `_is_expert_parallel`)."""
-    return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
 
 
 def is_expert_parallel_hf(module: nn.Module) -> bool:

@@ -28,9 +28,10 @@ sequence's keys and values: (c - 1) / c of them beyond the rank's own share (`cp
 ZeRO-Offload (`Layout.offload`; Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training") puts
 state in host memory (`host`, checked against the GPU's `host_gb`): under 'params' (ZeRO-3) the shards of the
 weights, their gradients and the optimizer state (the 16 bytes per parameter above, sharded), the device keeping
-the layers being gathered (`zero3_gather`), activations and buffers; under 'optimizer' (any ZeRO stage) the
-optimizer state (12 bytes: master weights and moments) and a copy of the gradient shard, the device keeping the
-weights and gradients.
+the layers being gathered (`zero3_gather`), activations and buffers; under 'optimizer' (any ZeRO stage, the
+trainer's moeflow/train/offload.py) the device keeps the weights and gradients in fp32 (4 + 4 bytes per parameter:
+the weights are the master copy) and the host an fp32 master copy, the two moments and a gradient buffer (16
+bytes per parameter of the optimizer's shard).
 """
 
 from __future__ import annotations
@@ -206,8 +207,8 @@ def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
             host = sum(parts.pop(k) for k in ("params", "grads", "optimizer"))
             parts.update(params=0.0, grads=0.0, optimizer=0.0)
         elif lay.offload == "optimizer":
-            host = parts["optimizer"] + parts["grads"]
-            parts["optimizer"] = 0.0
+            host = parts["optimizer"] * 16 / 12
+            parts.update(params=2 * parts["params"], grads=2 * parts["grads"], optimizer=0.0)
         parts = {k: v / GB for k, v in parts.items()}
         parts["reserved"] = RESERVED_GB
         parts["total"] = sum(parts.values())

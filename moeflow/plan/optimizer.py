@@ -8,14 +8,15 @@ rank (moeflow.train.muon). A Muon parameter cut over one mesh dim of n ranks (FS
 sharding group) goes by two all-to-alls: each rank sends its fp32 shard of matrix i to the matrix's owner (rank
 i mod n) and the owner sends each rank its piece of the bf16 result, so per matrix of s elements 4 s (n - 1) / n
 bytes travel there and 2 s (n - 1) / n back, summed over the ranks: 6 n_el (n - 1) / n^2 per rank on average for a
-tensor of n_el elements (the figure costed), in 2 (n - 1) point-to-point hops; a 3-D experts tensor, which FSDP2
-cuts between matrices (along E), is orthogonalised where it lies and moves nothing. A parameter cut over several
-mesh dims (HSDP, FSDP over TP) is gathered whole (an all-gather: 4 n_el (g - 1) / g bytes per rank over the g
-ranks of the mesh), matrix i orthogonalised on rank i mod g alone, and the bf16 results summed over each mesh dim
-(an all-reduce: 2 x 2 n_el (n - 1) / n per dim of n ranks). A parameter a rank holds whole (g = 1: an expert
-slice under ep with no expert sharding) moves nothing. Newton-Schulz on an [A, B] matrix
-with s = min(A, B), l = max(A, B) costs per iteration 2 s^2 l (X X^T), 2 s^3 ((X X^T)^2) and 2 s^2 l (the update
-times X): steps x (4 s^2 l + 2 s^3) FLOPs, timed at the bf16 matmul rate. None of it overlaps the step's compute
+tensor of n_el elements (the figure costed), in 2 (n - 1) point-to-point hops; a 3-D experts tensor with at least
+as many experts as ranks, which FSDP2 cuts between matrices (along E), is orthogonalised where it lies and moves
+nothing. A parameter on several mesh dims (HSDP, FSDP over TP) is gathered whole (an all-gather: 4 n_el (s - 1) / s
+bytes per rank over the s ranks that cut it; HSDP's replicas hold copies), matrix i orthogonalised on rank i mod g
+(the mesh's size) alone, and the bf16 results summed over each mesh dim (an all-reduce: 2 x 2 n_el (n - 1) / n per
+dim of n ranks). A parameter a rank holds whole (g = 1: an expert slice under ep with no expert sharding) moves
+nothing. Newton-Schulz on an [A, B] matrix with s = min(A, B), l = max(A, B) costs per iteration 2 s^2 l
+(X X^T), 2 s^3 ((X X^T)^2) and 2 s^2 l (the update times X): steps x (4 s^2 l + 2 s^3) FLOPs, timed at the bf16
+matmul rate. None of it overlaps the step's compute
 (it runs after backward).
 """
 
@@ -73,13 +74,11 @@ def ns_flops(rows: int, cols: int, steps: int) -> float:
 
 
 def mesh_dims(lay: Layout) -> tuple[list[int], list[int]]:
-    """The (dense, routed-expert) mesh a Muon parameter is a DTensor on, as its dimensions' sizes (those > 1):
-    FSDP's replicas under HSDP, its dp x cp shards and tp for the dense weights (moeflow.parallel.fsdp); the
-    replicas and the expert-sharding group (dp x cp / ep) for the experts, which ep x tp split whole."""
+    """The (dense, routed-expert) mesh dims a Muon parameter is cut over, as their sizes (those > 1): FSDP's dp x cp
+    shards and tp for the dense weights (moeflow.parallel.fsdp); the expert-sharding group (dp x cp / ep) for the
+    experts, which ep x tp split whole. (HSDP's replicas, a dim of lay.dp_replicate, hold copies.)"""
     shard = lay.dp_shard * lay.cp
-    dense = [n for n in (lay.dp_replicate, shard, lay.tp) if n > 1]
-    expert = [n for n in (lay.dp_replicate, max(1, shard // lay.ep)) if n > 1]
-    return dense, expert
+    return [n for n in (shard, lay.tp) if n > 1], [n for n in (max(1, shard // lay.ep),) if n > 1]
 
 
 COST_KEYS = ("ns_flops", "intra_bytes", "inter_bytes", "intra_hops", "inter_hops", "muon_params")
@@ -114,23 +113,28 @@ def _layer_cost(job: Job, lay: Layout, kind: str) -> dict[str, float]:
     layer = cfg.n_layers if kind == "mtp" else next(i for i in range(cfg.n_layers)
                                                     if cfg.is_moe_layer(i) == (kind == "moe"))
     dense, expert = mesh_dims(lay)
+    replicas = [lay.dp_replicate] if lay.dp_replicate > 1 else []
     cost = dict.fromkeys(COST_KEYS, 0.0) | {"largest_tensor": 0.0}
     for matrices, rows, cols, routed in layer_matrices(cfg, layer):
-        dims = expert if routed else dense
-        g = math.prod(dims)
+        cut = expert if routed else dense
+        dims = replicas + cut
+        s, g = math.prod(cut), math.prod(dims)
         if routed:
             matrices /= lay.ep * lay.tp  # this rank's experts
         elements = matrices * rows * cols
         cost["ns_flops"] += matrices * ns_flops(rows, cols, job.ns_steps) / g
-        cost["muon_params"] += elements / (g // lay.dp_replicate if dims else 1)  # HSDP's replicas: copies
+        cost["muon_params"] += elements / s  # HSDP's replicas: copies
         cost["largest_tensor"] = max(cost["largest_tensor"], elements)
         link = "inter" if g > job.gpus_per_node else "intra"
-        if len(dims) == 1 and not routed:  # cut inside each matrix over one mesh dim: the two all-to-alls
-            cost[f"{link}_bytes"] += 6 * elements * (g - 1) / g ** 2
-            cost[f"{link}_hops"] += 2 * (g - 1)
-        elif len(dims) > 1:  # the fp32 update gathered whole, then the bf16 results summed over each mesh dim
-            cost[f"{link}_bytes"] += 4 * elements * (g - 1) / g + sum(4 * elements * (n - 1) / n for n in dims)
-            cost[f"{link}_hops"] += g - 1 + sum(2 * (n - 1) for n in dims)
+        if len(dims) == 1 and cut:  # cut over one mesh dim: the two all-to-alls
+            # FSDP2 cuts [E, in, out] along E (between matrices) where there are at least as many experts as
+            # ranks: nothing moves; else inside them (moeflow.parallel.fsdp.balanced_shard)
+            if not (routed and matrices >= s):
+                cost[f"{link}_bytes"] += 6 * elements * (s - 1) / s ** 2
+                cost[f"{link}_hops"] += 2 * (s - 1)
+        elif dims:  # the fp32 update gathered whole over the cut, then the bf16 results summed over each mesh dim
+            cost[f"{link}_bytes"] += 4 * elements * (s - 1) / s + sum(4 * elements * (n - 1) / n for n in dims)
+            cost[f"{link}_hops"] += s - 1 + sum(2 * (n - 1) for n in dims)
     cache[key] = cost
     return cost
 

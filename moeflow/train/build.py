@@ -120,10 +120,14 @@ def add_lora(model: torch.nn.Module, peft) -> None:
 def init_lora(model: torch.nn.Module, cfg: JobConfig) -> None:
     """The adapters' one-process initial values, each rank's part of them (moeflow/models/lora.py)."""
     from moeflow.models import lora
+    from moeflow.parallel.hf_experts import global_num_experts, is_hf_experts
     from moeflow.train.state_dict import expert_slices
 
-    num_experts = cfg.model.moe.num_experts if cfg.model.is_moe else 0
-    lora.init([model], cfg.training.seed, expert_slices([model]), num_experts)
+    slices = expert_slices([model])
+    # the experts of each layer over all ranks: the config's, or a transformers experts module's own count
+    hf = {name: global_num_experts(m) for name, m in model.named_modules() if is_hf_experts(m)}
+    totals = {fqn: hf.get(fqn.rsplit(".", 1)[0], cfg.model.moe.num_experts) for fqn in slices}
+    lora.init([model], cfg.training.seed, slices, totals)
 
 
 def describe_layout(cfg: JobConfig, dims: ParallelDims, par: ParallelState) -> str:

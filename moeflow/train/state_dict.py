@@ -131,8 +131,14 @@ def placeholders(parts: list[nn.Module], optimizer, saved_keys: set[str]) -> dic
             if state_key == "step":
                 flat[prefix + state_key] = torch.zeros((), dtype=torch.float32)
             else:
-                want(prefix + state_key, fqn, p.data)
+                want(prefix + state_key, fqn, _state_like(optimizer, p))
     return flat
+
+
+def _state_like(optimizer, p: torch.Tensor) -> torch.Tensor:
+    """What p's optimizer state looks like: p, or a host tensor where the optimizer keeps it there
+    (parallel.offload = 'optimizer', moeflow/train/offload.py)."""
+    return optimizer.state_like(p) if hasattr(optimizer, "state_like") else p.data
 
 
 def _state_keys(keys, prefix: str) -> list[str]:
@@ -162,4 +168,4 @@ def apply(parts: list[nn.Module], optimizer, flat: dict[str, torch.Tensor]) -> N
         state_keys = _state_keys(flat, prefix)
         if state_keys:
             optimizer.state[p] = {k: (flat[prefix + k] if k == "step" else take(prefix + k, fqn, p.data))
-                              for k in state_keys}
+                                  for k in state_keys}

@@ -48,7 +48,8 @@ def test_newton_schulz_flops_are_torchs_count(shape):
 
 
 LAYOUTS = {"dp_shard=2": {"parallel.zero": 3}, "ep=2": {"parallel.ep": 2}, "tp=2": {"parallel.tp": 2},
-           "ep=2 zero=1": {"parallel.ep": 2, "parallel.zero": 1}}
+           "ep=2 zero=1": {"parallel.ep": 2, "parallel.zero": 1},
+           "dp_replicate=2": {"parallel.dp_replicate": 2}}  # replicas only: the results summed, nothing cut
 
 
 def _config(overrides: dict):
