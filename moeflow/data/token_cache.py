@@ -11,7 +11,9 @@ that change the tokens (data.format). It holds:
   meta.json        the key, the source (files, records per file), the tokenizer, counts
 
 Rank 0 (or the launcher, before any rank starts) writes it into a temporary folder and renames it, so a folder
-that exists is complete; the others wait and open it. Document i is record i of the source (1:1), so a record
+that exists is complete; the others wait and open it. Inside a job of several ranks (a torchrun job over nodes,
+which no launcher prepares for), every rank tokenizes its share of the records into parts beside it, which rank 0
+joins in record order (`share`): the same bytes as one process. Document i is record i of the source (1:1), so a record
 can still be located by file and line when a later step refuses it.
 """
 
@@ -142,11 +144,15 @@ def is_cache_folder(path: str) -> bool:
 
 
 def write_cache(src: RecordSource, encoder, root: Path, *, max_bytes: int = 4_000_000,
-                progress: bool | None = None, workers: int = 1) -> Path:
+                progress: bool | None = None, workers: int = 1, share: tuple | None = None) -> Path:
     """The cache folder for (src, encoder), tokenizing the records first if it does not exist yet, in `workers`
-    processes (the same bytes for any number: the batches are written in record order)."""
+    processes (the same bytes for any number: the batches are written in record order). `share`: (rank, ranks,
+    gather) when every rank of a job calls this and tokenizes its share (module doc); gather(obj) is every
+    rank's obj in rank order, a collective."""
     key = cache_key(src, encoder, max_bytes)
     folder = Path(root) / key
+    if share is not None:
+        return _write_together(src, encoder, Path(root), key, max_bytes, progress, share)
     if (folder / META).is_file():
         return folder
     tmp = Path(root) / f".{key}.tmp-{os.getpid()}"
@@ -164,6 +170,97 @@ def write_cache(src: RecordSource, encoder, root: Path, *, max_bytes: int = 4_00
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _write_together(src: RecordSource, encoder, root: Path, key: str, max_bytes: int, progress, share) -> Path:
+    """write_cache by every rank of a job: rank r encodes items r, r + n, ... of the records (jsonl chunks or
+    batches) into `parts/`, and rank 0 joins the parts in order into the cache folder."""
+    rank, ranks, gather = share
+    folder = root / key
+    if gather((folder / META).is_file())[0]:  # (rank 0's view decides: every rank takes the same branch)
+        return folder
+    tmp = root / f".{key}.tmp-ranks"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "parts").mkdir(parents=True)
+    gather(None)
+    try:
+        meta = _tokenize_together(src, encoder, tmp, key, max_bytes, progress, share)
+        if rank == 0:
+            (tmp / META).write_text(json.dumps(meta, indent=1))
+            for scratch in [tmp / "parts", *tmp.glob("hf-*")]:
+                shutil.rmtree(scratch, ignore_errors=True)
+            try:
+                os.rename(tmp, folder)
+            except OSError:  # another job finished the same cache first; theirs is as good
+                if not (folder / META).is_file():
+                    raise
+    finally:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _tokenize_together(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, progress,
+                       share) -> dict | None:
+    """This rank's share of the items encoded into out/parts/<item>.npz, then (rank 0) the cache files from all of
+    them in order and the meta; None on the other ranks. As _tokenize: plain text jsonl read by byte ranges, else
+    the records through `datasets` (each rank its own Arrow copy)."""
+    rank, ranks, gather = share
+    parts = out / "parts"
+    if _is_plain_jsonl(src, encoder):
+        chunks = _jsonl_chunks(src.files)
+        plain = _encode_share(parts, chunks, rank, ranks, _encode_jsonl_chunk, files=src.files, encoder=encoder)
+        if all(gather(plain)):
+            if rank != 0:
+                return None
+            counts = [0] * len(src.files)
+
+            def joined():
+                for i, (file, start, end) in enumerate(chunks):
+                    encoded, records = _read_part(parts / f"{i}.npz")
+                    counts[file] += records
+                    yield encoded, end - start
+
+            meta = _write_tokens(src, encoder, out, key, joined(), sum(os.path.getsize(f) for f in src.files), "B",
+                                 progress)
+            src.counts = counts
+            meta["source"] = src.describe()
+            return meta
+    ds = _load_checked(src, encoder, out / f"hf-{rank}", max_bytes)
+    starts = list(range(0, len(ds), _BATCH))
+    _encode_share(parts, starts, rank, ranks, _encode_batch, ds=ds, encoder=encoder)
+    gather(None)  # every part written
+    if rank != 0:
+        return None
+    joined = ((_read_part(parts / f"{i}.npz")[0], min(_BATCH, len(ds) - start)) for i, start in enumerate(starts))
+    return _write_tokens(src, encoder, out, key, joined, len(ds), "rec", progress)
+
+
+def _encode_share(parts: Path, items: list, rank: int, ranks: int, fn, **work) -> bool:
+    """fn(item) for this rank's items (every ranks-th from `rank`), each saved as parts/<index>.npz; False as soon
+    as one is None (a jsonl chunk that is not plain text records)."""
+    mine = list(range(rank, len(items), ranks))
+    for i, result in zip(mine, _in_workers(fn, [items[i] for i in mine], 1, **work)):
+        if result is None:
+            return False
+        encoded, records = result if fn is _encode_jsonl_chunk else (result, 0)
+        if len(encoded) == 2:  # (record index, what is wrong with it): the join raises it in order
+            np.savez(parts / f"{i}.npz", bad_record=np.int64(encoded[0]), what=np.str_(encoded[1]))
+            continue
+        ids, lengths, masks, trained = encoded
+        np.savez(parts / f"{i}.npz", ids=ids, lengths=lengths, trained=trained, records=np.int64(records),
+                 **({} if masks is None else {"masks": masks}))
+    return True
+
+
+def _read_part(path: Path) -> tuple[tuple, int]:
+    """(encoded batch, records) of a part _encode_share saved."""
+    with np.load(path) as part:
+        if "bad_record" in part:
+            return (int(part["bad_record"]), str(part["what"])), 0
+        masks = part["masks"] if "masks" in part else None
+        return (part["ids"], part["lengths"], masks, part["trained"]), int(part["records"])
 
 
 # A forked worker's view of the job: the records and the encoder (inherited, not pickled).
@@ -286,7 +383,6 @@ def _jsonl_batches(src: RecordSource, encoder, workers: int, counts: list[int]):
 
 
 def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, progress, workers: int = 1) -> dict:
-    spec = src.spec
     if _is_plain_jsonl(src, encoder):
         counts = [0] * len(src.files)
         total = sum(os.path.getsize(f) for f in src.files)
@@ -299,7 +395,14 @@ def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, p
             src.counts = counts
             meta["source"] = src.describe()
             return meta
-    ds = load(src, out, max_bytes)
+    ds = _load_checked(src, encoder, out, max_bytes)
+    return _write_tokens(src, encoder, out, key, _encoded_batches(ds, encoder, workers), len(ds), "rec", progress)
+
+
+def _load_checked(src: RecordSource, encoder, work_dir: Path, max_bytes: int):
+    """The records (records.load), with the columns the encoder reads; ValueError naming what is missing."""
+    spec = src.spec
+    ds = load(src, work_dir, max_bytes)
     if len(ds) == 0:
         raise ValueError(f"data.source = {spec!r} holds no records; point it at a non-empty dataset")
     missing = [c for c in encoder.columns if c not in ds.column_names]
@@ -311,9 +414,7 @@ def _tokenize(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, p
         fix = f"set data.format = '{other}'" if other else "rename the field in the data"
         raise ValueError(f"data.source = {spec!r}: {src.locate(0)} has no {missing[0]!r} field (the records have "
                          f"{ds.column_names}); {hint[encoder.format]}: {fix}")
-    wanted = [c for c in ds.column_names if c in (*encoder.columns, "input", "system")]
-    return _write_tokens(src, encoder, out, key, _encoded_batches(ds.select_columns(wanted), encoder, workers),
-                         len(ds), "rec", progress)
+    return ds.select_columns([c for c in ds.column_names if c in (*encoder.columns, "input", "system")])
 
 
 def _write_tokens(src: RecordSource, encoder, out: Path, key: str, batches, total: int, unit: str, progress) -> dict:

@@ -108,14 +108,15 @@ def cache_root(cfg: JobConfig) -> Path:
     return Path(cfg.data.cache_dir or Path(cfg.run_dir) / "data-cache")
 
 
-def prepare(cfg: JobConfig, progress: bool | None = None) -> Path:
-    """The token cache folder of the job, tokenizing first if needed (one process: the launcher or rank 0)."""
+def prepare(cfg: JobConfig, progress: bool | None = None, share: tuple | None = None) -> Path:
+    """The token cache folder of the job, tokenizing first if needed: in one process (the launcher or rank 0), or
+    with `share` in every rank of the job, each its share (moeflow.data.token_cache.write_cache)."""
     encoder = make_encoder(cfg)
     if is_cache_folder(cfg.data.source):
         open_cache(cfg.data.source, encoder.fingerprint)  # refuses one written by another tokenizer
         return Path(cfg.data.source)
     return write_cache(resolve(cfg.data.source), encoder, cache_root(cfg), max_bytes=cfg.data.max_bytes,
-                       progress=progress, workers=cfg.data.tokenize_workers or _default_workers())
+                       progress=progress, workers=cfg.data.tokenize_workers or _default_workers(), share=share)
 
 
 def _default_workers() -> int:
@@ -126,15 +127,32 @@ def _default_workers() -> int:
     return 1 if dist.is_initialized() else os.cpu_count() or 1
 
 
+def _share() -> tuple | None:
+    """(rank, ranks, gather) when this process is one of several ranks that tokenize together, else None."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+
+    def gather(obj) -> list:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    return dist.get_rank(), dist.get_world_size(), gather
+
+
 def _prepare_on_rank0(cfg: JobConfig, is_main: bool) -> tuple[Path, str]:
-    """(cache folder, tokenizer fingerprint) on every rank: rank 0 prepares, the others receive its folder or
-    its error (so a bad record stops every rank with the same line instead of leaving them in a barrier)."""
+    """(cache folder, tokenizer fingerprint) on every rank: every rank prepares its share (rank 0 alone with
+    data.tokenize_workers set, which forks that many processes there), the others receive rank 0's folder or its
+    error (so a bad record stops every rank with the same line instead of leaving them in a barrier)."""
     from moeflow.train.distributed import broadcast_object
 
     folder, error, failure = None, None, None
-    if is_main:
+    share = None if cfg.data.tokenize_workers else _share()
+    if is_main or share:
         try:
-            folder = str(prepare(cfg))
+            folder = str(prepare(cfg, share=share))
         except Exception as e:  # every error, or the other ranks would wait in the broadcast until the timeout
             failure, error = e, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
     folder, error = broadcast_object((folder, error))
