@@ -64,9 +64,10 @@ class DataConfig:
     """A Jinja chat template file to use instead of the tokenizer's own ('' = the tokenizer's)."""
     tokenize_workers: int = 0
     """Processes that tokenize records into the cache; 0 = one per core where the launcher (--nproc-per-node) or
-    `moeflow train --prepare-data` tokenizes, and inside a torchrun job every rank its share of the records (rank
-    0 joins them); N > 0 inside a job: rank 0 alone in N processes. Any number writes the same cache. Under
-    data.streaming: the processes each rank tokenizes with (0 = in the rank itself)."""
+    `moeflow train --prepare-data` tokenizes; inside a torchrun job rank 0, or over several nodes one rank per
+    node, each its node's share of the records (rank 0 joins them); N > 0 inside a job: rank 0 alone in N
+    processes. Any number writes the same cache. Under data.streaming: the processes each rank tokenizes with
+    (0 = in the rank itself)."""
     streaming: bool = False
     """Read data.source lazily (record files, a folder, a saved dataset, hf:NAME, text files) and tokenize ahead
     of the step, in a bounded buffer, instead of tokenizing it into a cache first: for corpora too large for that.

@@ -26,7 +26,15 @@ from moeflow.data.megatron import megatron_prefix
 from moeflow.data.records import is_record_source, resolve
 from moeflow.data.stream import BatchSampler, TokenWindows, load_tokens, split_tokens, val_batches
 from moeflow.data.streaming import StreamingSampler
-from moeflow.data.token_cache import ChatEncoder, TextEncoder, cache_key, is_cache_folder, open_cache, write_cache
+from moeflow.data.token_cache import (
+    ChatEncoder,
+    Share,
+    TextEncoder,
+    cache_key,
+    is_cache_folder,
+    open_cache,
+    write_cache,
+)
 from moeflow.data.tokenizer import load_tokenizer
 
 
@@ -108,9 +116,9 @@ def cache_root(cfg: JobConfig) -> Path:
     return Path(cfg.data.cache_dir or Path(cfg.run_dir) / "data-cache")
 
 
-def prepare(cfg: JobConfig, progress: bool | None = None, share: tuple | None = None) -> Path:
+def prepare(cfg: JobConfig, progress: bool | None = None, share: Share | None = None) -> Path:
     """The token cache folder of the job, tokenizing first if needed: in one process (the launcher or rank 0), or
-    with `share` in every rank of the job, each its share (moeflow.data.token_cache.write_cache)."""
+    with `share` by the ranks of the job together (moeflow.data.token_cache.write_cache)."""
     encoder = make_encoder(cfg)
     if is_cache_folder(cfg.data.source):
         open_cache(cfg.data.source, encoder.fingerprint)  # refuses one written by another tokenizer
@@ -127,25 +135,31 @@ def _default_workers() -> int:
     return 1 if dist.is_initialized() else os.cpu_count() or 1
 
 
-def _share() -> tuple | None:
-    """(rank, ranks, gather) when this process is one of several ranks that tokenize together, else None."""
+def _share() -> Share | None:
+    """How this job's ranks tokenize together: one rank per node (its local rank 0, with the node's cores: the
+    tokenizer's threads), each a node's part; None on one node (rank 0 tokenizes alone) or outside a job."""
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized():
+        return None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world // local < 2:
         return None
 
     def gather(obj) -> list:
-        out = [None] * dist.get_world_size()
+        out = [None] * world
         dist.all_gather_object(out, obj)
         return out
 
-    return dist.get_rank(), dist.get_world_size(), gather
+    return Share(rank // local if rank % local == 0 else None, world // local, rank == 0, gather)
 
 
 def _prepare_on_rank0(cfg: JobConfig, is_main: bool) -> tuple[Path, str]:
-    """(cache folder, tokenizer fingerprint) on every rank: every rank prepares its share (rank 0 alone with
-    data.tokenize_workers set, which forks that many processes there), the others receive rank 0's folder or its
-    error (so a bad record stops every rank with the same line instead of leaving them in a barrier)."""
+    """(cache folder, tokenizer fingerprint) on every rank: rank 0 prepares (over several nodes one rank per node
+    takes its node's part, unless data.tokenize_workers asks rank 0 to fork that many processes), the others
+    receive rank 0's folder or its error (so a bad record stops every rank with the same line instead of leaving
+    them in a barrier)."""
     from moeflow.train.distributed import broadcast_object
 
     folder, error, failure = None, None, None
