@@ -2,8 +2,8 @@
 equals PeftModel's on the same base and adapter (experts in the standard [E, out, in] layout, gpt-oss's transposed
 and interleaved one with biases, MLA, a dense model); a run trains the adapters only, writes RUN_DIR/adapter/ that
 PeftModel loads with `moeflow generate`'s loss, and exports merged weights transformers loads with that loss; ep=2
-(and, slow: dp=2 ZeRO-3, tp=2, pp=2, cp=2, a stop under ep=2 resumed in one process) train the one-process run;
-bad settings are one line before any rank."""
+(and, slow: dp=2 ZeRO-3, tp=2, pp=2, cp=2, ep=2 with recomputation, a stop under ep=2 resumed in one process)
+train the one-process run; bad settings are one line before any rank."""
 
 from __future__ import annotations
 
@@ -133,12 +133,12 @@ def test_a_run_trains_the_adapters_only_and_peft_loads_them(folder, tmp_path):
 
 LAYOUTS = {"ep2": {"parallel.ep": 2}, "stop": {"parallel.ep": 2, "training.stop_at": 2},
            "dp2-zero3": {"parallel.zero": 3}, "tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2},
-           "cp2": {"parallel.cp": 2}}
+           "cp2": {"parallel.cp": 2}, "ep2-recompute": {"parallel.ep": 2, "training.activation_checkpointing": "full"}}
 
 
 @pytest.mark.parametrize("names", [
     ["ep2"],
-    pytest.param(["stop", "dp2-zero3", "tp2", "pp2", "cp2"], marks=pytest.mark.slow),
+    pytest.param(["stop", "dp2-zero3", "tp2", "pp2", "cp2", "ep2-recompute"], marks=pytest.mark.slow),
 ], ids=["ep2", "other-layouts"])
 def test_layouts_train_the_one_process_run(folder, tmp_path, names):
     """Each layout's LoRA run (2 ranks) trains the one-process losses and gradient norms, and writes its adapter;
