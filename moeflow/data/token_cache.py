@@ -11,10 +11,8 @@ that change the tokens (data.format). It holds:
   meta.json        the key, the source (files, records per file), the tokenizer, counts
 
 Rank 0 (or the launcher, before any rank starts) writes it into a temporary folder and renames it, so a folder
-that exists is complete; the others wait and open it. Inside a job over several nodes (a torchrun job, which no
-launcher prepares for), one rank per node tokenizes that node's share of the records with its cores (the
-tokenizer's threads) into parts beside it, which rank 0 joins in record order (`Share`): the same bytes as one
-process. Document i is record i of the source (1:1), so a record
+that exists is complete; the others wait and open it (over several nodes the ranks write it together:
+moeflow/data/token_share.py). Document i is record i of the source (1:1), so a record
 can still be located by file and line when a later step refuses it.
 """
 
@@ -24,7 +22,6 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,27 +142,13 @@ def is_cache_folder(path: str) -> bool:
     return Path(path, META).is_file() and Path(path, "tokens.bin").is_file()
 
 
-@dataclass
-class Share:
-    """How the ranks of a job write a cache together: this rank tokenizes part `part` of `parts` (None: it only
-    waits), rank 0 (`joins`) joins them; gather(obj) is every rank's obj in rank order (a collective every rank
-    of the job calls alike)."""
-
-    part: int | None
-    parts: int
-    joins: bool
-    gather: Callable[[object], list]
-
-
 def write_cache(src: RecordSource, encoder, root: Path, *, max_bytes: int = 4_000_000,
-                progress: bool | None = None, workers: int = 1, share: Share | None = None) -> Path:
+                progress: bool | None = None, workers: int = 1) -> Path:
     """The cache folder for (src, encoder), tokenizing the records first if it does not exist yet, in `workers`
-    processes (the same bytes for any number: the batches are written in record order), or with `share` by every
-    rank of a job together (module doc)."""
+    processes (the same bytes for any number: the batches are written in record order). The ranks of a job over
+    several nodes write it together instead: moeflow/data/token_share.py."""
     key = cache_key(src, encoder, max_bytes)
     folder = Path(root) / key
-    if share is not None:
-        return _write_together(src, encoder, Path(root), key, max_bytes, progress, share)
     if (folder / META).is_file():
         return folder
     tmp = Path(root) / f".{key}.tmp-{os.getpid()}"
@@ -183,103 +166,6 @@ def write_cache(src: RecordSource, encoder, root: Path, *, max_bytes: int = 4_00
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
-
-
-def _write_together(src: RecordSource, encoder, root: Path, key: str, max_bytes: int, progress,
-                    share: Share) -> Path:
-    """write_cache by every rank of a job: part p of n encodes items p, p + n, ... of the records (jsonl chunks or
-    batches) into `parts/`, and rank 0 joins the parts in order into the cache folder."""
-    folder = root / key
-    if share.gather((folder / META).is_file())[0]:  # (rank 0's view decides: every rank takes the same branch)
-        return folder
-    tmp = root / f".{key}.tmp-ranks"
-    if share.joins:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "parts").mkdir(parents=True)
-    share.gather(None)
-    try:
-        meta = _tokenize_together(src, encoder, tmp, key, max_bytes, progress, share)
-        if share.joins:
-            (tmp / META).write_text(json.dumps(meta, indent=1))
-            for scratch in [tmp / "parts", *tmp.glob("hf-*")]:
-                shutil.rmtree(scratch, ignore_errors=True)
-            try:
-                os.rename(tmp, folder)
-            except OSError:  # another job finished the same cache first; theirs is as good
-                if not (folder / META).is_file():
-                    raise
-    finally:
-        if share.joins:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
-def _tokenize_together(src: RecordSource, encoder, out: Path, key: str, max_bytes: int, progress,
-                       share: Share) -> dict | None:
-    """This rank's part of the items encoded into out/parts/<item>.npz, then (rank 0) the cache files from all of
-    them in order and the meta; None on the other ranks. As _tokenize: plain text jsonl read by byte ranges, else
-    the records through `datasets` (each tokenizing rank its own Arrow copy)."""
-    parts = out / "parts"
-    if _is_plain_jsonl(src, encoder):
-        chunks = _jsonl_chunks(src.files)
-        plain = _encode_share(parts, chunks, share, _encode_jsonl_chunk, files=src.files, encoder=encoder)
-        if all(share.gather(plain)):
-            if not share.joins:
-                return None
-            counts = [0] * len(src.files)
-
-            def joined():
-                for i, (file, start, end) in enumerate(chunks):
-                    encoded, records = _read_part(parts / f"{i}.npz")
-                    counts[file] += records
-                    yield encoded, end - start
-
-            meta = _write_tokens(src, encoder, out, key, joined(), sum(os.path.getsize(f) for f in src.files), "B",
-                                 progress)
-            src.counts = counts
-            meta["source"] = src.describe()
-            return meta
-    ds, error = None, None
-    if share.part is not None:  # (a rank that waits learns of bad records from the others)
-        try:
-            ds = _load_checked(src, encoder, out / f"hf-{share.part}", max_bytes)
-            _encode_share(parts, range(0, len(ds), _BATCH), share, _encode_batch, ds=ds, encoder=encoder)
-        except ValueError as e:
-            error = str(e)
-    errors = [e for e in share.gather(error) if e]  # every part written, or why not
-    if errors:
-        raise ValueError(errors[0])
-    if not share.joins:
-        return None
-    starts = range(0, len(ds), _BATCH)
-    joined = ((_read_part(parts / f"{i}.npz")[0], min(_BATCH, len(ds) - start)) for i, start in enumerate(starts))
-    return _write_tokens(src, encoder, out, key, joined, len(ds), "rec", progress)
-
-
-def _encode_share(parts: Path, items: list, share: Share, fn, **work) -> bool:
-    """fn(item) for this rank's items (every share.parts-th from share.part), each saved as parts/<index>.npz;
-    False as soon as one is None (a jsonl chunk that is not plain text records)."""
-    mine = [] if share.part is None else list(range(share.part, len(items), share.parts))
-    for i, result in zip(mine, _in_workers(fn, [items[i] for i in mine], 1, **work)):
-        if result is None:
-            return False
-        encoded, records = result if fn is _encode_jsonl_chunk else (result, 0)
-        if len(encoded) == 2:  # (record index, what is wrong with it): the join raises it in order
-            np.savez(parts / f"{i}.npz", bad_record=np.int64(encoded[0]), what=np.str_(encoded[1]))
-            continue
-        ids, lengths, masks, trained = encoded
-        np.savez(parts / f"{i}.npz", ids=ids, lengths=lengths, trained=trained, records=np.int64(records),
-                 **({} if masks is None else {"masks": masks}))
-    return True
-
-
-def _read_part(path: Path) -> tuple[tuple, int]:
-    """(encoded batch, records) of a part _encode_share saved."""
-    with np.load(path) as part:
-        if "bad_record" in part:
-            return (int(part["bad_record"]), str(part["what"])), 0
-        masks = part["masks"] if "masks" in part else None
-        return (part["ids"], part["lengths"], masks, part["trained"]), int(part["records"])
 
 
 # A forked worker's view of the job: the records and the encoder (inherited, not pickled).

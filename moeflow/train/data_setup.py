@@ -26,15 +26,8 @@ from moeflow.data.megatron import megatron_prefix
 from moeflow.data.records import is_record_source, resolve
 from moeflow.data.stream import BatchSampler, TokenWindows, load_tokens, split_tokens, val_batches
 from moeflow.data.streaming import StreamingSampler
-from moeflow.data.token_cache import (
-    ChatEncoder,
-    Share,
-    TextEncoder,
-    cache_key,
-    is_cache_folder,
-    open_cache,
-    write_cache,
-)
+from moeflow.data.token_cache import ChatEncoder, TextEncoder, cache_key, is_cache_folder, open_cache, write_cache
+from moeflow.data.token_share import Share, write_together
 from moeflow.data.tokenizer import load_tokenizer
 
 
@@ -123,8 +116,11 @@ def prepare(cfg: JobConfig, progress: bool | None = None, share: Share | None = 
     if is_cache_folder(cfg.data.source):
         open_cache(cfg.data.source, encoder.fingerprint)  # refuses one written by another tokenizer
         return Path(cfg.data.source)
+    if share is not None:
+        return write_together(resolve(cfg.data.source), encoder, cache_root(cfg), share, max_bytes=cfg.data.max_bytes,
+                              progress=progress)
     return write_cache(resolve(cfg.data.source), encoder, cache_root(cfg), max_bytes=cfg.data.max_bytes,
-                       progress=progress, workers=cfg.data.tokenize_workers or _default_workers(), share=share)
+                       progress=progress, workers=cfg.data.tokenize_workers or _default_workers())
 
 
 def _default_workers() -> int:
