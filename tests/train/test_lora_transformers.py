@@ -1,9 +1,9 @@
 """LoRA on transformers' own modules (model.hf_impl = 'transformers') against peft itself: the adapted forward
 equals PeftModel's on the same base and adapter (experts in the standard [E, out, in] layout, gpt-oss's transposed
 and interleaved one with biases, MLA, a dense model); a run trains the adapters only, writes RUN_DIR/adapter/ that
-PeftModel loads with `moeflow generate`'s loss, and exports merged weights transformers loads with that loss; ep=2
-(and, slow: dp=2 ZeRO-3, tp=2, pp=2, cp=2, ep=2 with recomputation, a stop under ep=2 resumed in one process)
-train the one-process run; bad settings are one line before any rank."""
+PeftModel loads with `moeflow generate`'s loss, and exports merged weights transformers loads with that loss; (slow)
+ep=2, dp=2 ZeRO-3, tp=2, pp=2, cp=2, ep=2 with recomputation and a stop under ep=2 resumed in one process train the
+one-process run; bad settings are one line before any rank."""
 
 from __future__ import annotations
 
@@ -136,10 +136,9 @@ LAYOUTS = {"ep2": {"parallel.ep": 2}, "stop": {"parallel.ep": 2, "training.stop_
            "cp2": {"parallel.cp": 2}, "ep2-recompute": {"parallel.ep": 2, "training.activation_checkpointing": "full"}}
 
 
-@pytest.mark.parametrize("names", [
-    ["ep2"],
-    pytest.param(["stop", "dp2-zero3", "tp2", "pp2", "cp2", "ep2-recompute"], marks=pytest.mark.slow),
-], ids=["ep2", "other-layouts"])
+@pytest.mark.slow  # 40 s; CI checks the forward against peft's and a one-process run (the tests above)
+@pytest.mark.parametrize("names", [["ep2", "stop", "dp2-zero3", "tp2", "pp2", "cp2", "ep2-recompute"]],
+                         ids=["every-layout"])
 def test_layouts_train_the_one_process_run(folder, tmp_path, names):
     """Each layout's LoRA run (2 ranks) trains the one-process losses and gradient norms, and writes its adapter;
     'stop' is ep=2 stopped at step 2 and resumed in one process (the experts' factors resharded)."""
