@@ -171,7 +171,12 @@ def _peft_model(build, model_cfg: ModelConfig, peft_cfg, modules: list[str], par
                              inference_mode=True)
     with warnings.catch_warnings():  # on the first try, what peft says of the names it reads as experts' (above)
         warnings.simplefilter("ignore")
-        model = peft.get_peft_model(base, config)
+        try:
+            model = peft.get_peft_model(base, config)
+        except ValueError as e:  # e.g. gate_proj without up_proj where transformers fused them
+            raise ValueError(f"peft.modules = {peft_cfg.modules!r}: peft cannot place these adapters on this "
+                             f"architecture ({str(e).splitlines()[0].rstrip('.')}); name what it asks for too, or "
+                             f"use 'auto'") from None
     config.base_model_name_or_path = model_cfg.hf_path or None  # (get_peft_model sets the meta model's: none)
     return config, model
 

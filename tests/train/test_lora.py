@@ -201,6 +201,8 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
     ({"peft.rank": 17, "peft.experts": False}, None),  # the narrowest is then wk (24)
     ({"peft.modules": "wq,q_proj"}, r"peft.modules = 'wq,q_proj': this model has no linear layer named 'q_proj'; "
                                     r"it has gate, output, w1, w2, w3, wk, wo, wq, wv"),
+    ({"peft.modules": "w1"}, r"peft.modules = 'w1': peft cannot place these adapters on this architecture \(Cannot "
+                             r"convert PEFT target\(s\) gate_proj without also targeting up_proj"),  # peft's own rule
     ({"training.fp8": "tensorwise"}, r"peft.method = 'lora' with training.fp8 = 'tensorwise'"),
     ({"peft.dropout": 0.1}, r"peft.dropout = 0.1 for a MoE model"),
     ({"peft.method": "qlora"}, r"peft.method"),
