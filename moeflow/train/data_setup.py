@@ -140,7 +140,7 @@ def _share() -> Share | None:
         return None
     world, rank = dist.get_world_size(), dist.get_rank()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world // local < 2:
+    if world // local < 2 or world % local:  # (nodes of different sizes: rank 0 alone)
         return None
 
     def gather(obj) -> list:
