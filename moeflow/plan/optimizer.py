@@ -10,7 +10,9 @@ i mod n) and the owner sends each rank its piece of the bf16 result, so per matr
 bytes travel there and 2 s (n - 1) / n back, summed over the ranks: 6 n_el (n - 1) / n^2 per rank on average for a
 tensor of n_el elements (the figure costed), in 2 (n - 1) point-to-point hops; a 3-D experts tensor with at least
 as many experts as ranks, which FSDP2 cuts between matrices (along E), is orthogonalised where it lies and moves
-nothing. A parameter on several mesh dims (HSDP, FSDP over TP) is gathered whole (an all-gather: 4 n_el (s - 1) / s
+nothing. Under HSDP each of the r replicas does this for 1 / r of the matrices and the bf16 results are summed over
+the replicas (an all-reduce of each rank's shard: 2 x 2 (n_el / n) (r - 1) / r). A parameter cut over several mesh
+dims (FSDP over TP), or only replicated, is gathered whole (an all-gather: 4 n_el (s - 1) / s
 bytes per rank over the s ranks that cut it; HSDP's replicas hold copies), matrix i orthogonalised on rank i mod g
 (the mesh's size) alone, and the bf16 results summed over each mesh dim (an all-reduce: 2 x 2 n_el (n - 1) / n per
 dim of n ranks). A parameter a rank holds whole (g = 1: an expert slice under ep with no expert sharding) moves
@@ -126,12 +128,16 @@ def _layer_cost(job: Job, lay: Layout, kind: str) -> dict[str, float]:
         cost["muon_params"] += elements / s  # HSDP's replicas: copies
         cost["largest_tensor"] = max(cost["largest_tensor"], elements)
         link = "inter" if g > job.gpus_per_node else "intra"
-        if len(dims) == 1 and cut:  # cut over one mesh dim: the two all-to-alls
+        if len(cut) == 1:  # cut over one mesh dim: the two all-to-alls, each replica its share of the matrices
             # FSDP2 cuts [E, in, out] along E (between matrices) where there are at least as many experts as
             # ranks: nothing moves; else inside them (moeflow.parallel.fsdp.balanced_shard)
+            r = lay.dp_replicate
             if not (routed and matrices >= s):
-                cost[f"{link}_bytes"] += 6 * elements * (s - 1) / s ** 2
+                cost[f"{link}_bytes"] += 6 * elements * (s - 1) / s ** 2 / r
                 cost[f"{link}_hops"] += 2 * (s - 1)
+            if r > 1:  # the replicas' results summed: each rank's bf16 shard
+                cost[f"{link}_bytes"] += 4 * elements / s * (r - 1) / r
+                cost[f"{link}_hops"] += 2 * (r - 1)
         elif dims:  # the fp32 update gathered whole over the cut, then the bf16 results summed over each mesh dim
             cost[f"{link}_bytes"] += 4 * elements * (s - 1) / s + sum(4 * elements * (n - 1) / n for n in dims)
             cost[f"{link}_hops"] += s - 1 + sum(2 * (n - 1) for n in dims)

@@ -15,8 +15,9 @@ learning rate (training.muon_adamw_lr, default training.lr).
 
 Sharded layouts (FSDP2, ZeRO-1, tp, efsdp): Newton-Schulz needs each whole matrix, so each matrix of a sharded
 update is orthogonalised by one rank of its mesh and the results come back to the shards: for updates cut over one
-mesh dim by two all-to-alls (`_ShardedMatrices`: the shards to each matrix's owner, its result's pieces back),
-for those cut over several by a gather and a sum (`_orthogonalised`); the updates a rank holds whole are
+mesh dim by two all-to-alls (`_ShardedMatrices`: the shards to each matrix's owner, its result's pieces back;
+under HSDP each replica a share of the matrices, the results summed over the replicas), for those cut over several
+by a gather and a sum (`_orthogonalised`); the updates a rank holds whole are
 orthogonalised stacked by shape (`_LocalMatrices`).
 docs/design.md, "Optimizers"; its cost per layout: moeflow.plan.optimizer.
 """
@@ -118,7 +119,9 @@ class _ShardedMatrices:
     """Updates cut over one mesh dim (FSDP2's Shard(0), TP's column / row shards), orthogonalised together.
     Matrix i of the pending updates belongs to rank (turn + i) mod n: one all-to-all sends each rank's fp32 shard
     of it there, the owner orthogonalises its matrices (stacked by shape, one batched Newton-Schulz per shape),
-    and a second all-to-all sends each rank its piece of every bf16 result. A 3-D experts tensor cut along E
+    and a second all-to-all sends each rank its piece of every bf16 result. HSDP's replicas (mesh dims that
+    replicate the update) each take matrices (t // n) mod r = their index, and one sum over them completes every
+    rank's results. A 3-D experts tensor cut along E
     (between its matrices) is orthogonalised where it lies. Two collectives per flush, each matrix moved to one
     rank and back (the scheme bench/optim.py chose over `_gather_and_sum`, which moves it to every rank and sums
     the results: SCHEME). One bucket per (mesh, dim) - expert slices over efsdp and the rest over dp_shard
@@ -136,15 +139,17 @@ class _ShardedMatrices:
 
     @staticmethod
     def sharded_dim(update: torch.Tensor) -> int | None:
-        """The mesh dim an update is cut over when it is the only one of its mesh larger than 1 and the cut is
-        one Shard (the tp dim of a tp-only run, FSDP2's dim of a dp-only one); None otherwise."""
-        from torch.distributed.tensor import DTensor, Shard
+        """The mesh dim an update is cut over when it is the only one of its mesh larger than 1 that cuts it, in
+        one Shard, and the others replicate it (the tp dim of a tp-only run, FSDP2's dim of a dp-only or HSDP
+        one); None otherwise."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
         if not isinstance(update, DTensor):
             return None
         mesh = update.device_mesh
-        cut = [i for i in range(mesh.ndim) if mesh.size(i) > 1]
-        if len(cut) != 1 or type(update.placements[cut[0]]) is not Shard:
+        sized = [i for i in range(mesh.ndim) if mesh.size(i) > 1]
+        cut = [i for i in sized if type(update.placements[i]) is Shard]
+        if len(cut) != 1 or not all(isinstance(update.placements[i], Replicate) for i in sized if i != cut[0]):
             return None
         return cut[0]
 
@@ -171,6 +176,12 @@ class _ShardedMatrices:
 
         n, me = mesh.size(k), mesh.get_local_rank(k)
         group = mesh.get_group(k)
+        # HSDP's replicas hold the same shards: replica r of nr takes the matrices t with (t // n) mod nr = r, and a
+        # sum over the replica dims gives every replica every result
+        replicas = [d for d in range(mesh.ndim) if d != k and mesh.size(d) > 1]
+        nr, rep = math.prod(mesh.size(d) for d in replicas), 0
+        for d in replicas:
+            rep = rep * mesh.size(d) + mesh.get_local_rank(d)
         # per update: its local matrices, the matrix dim its cut falls on (None: the cut is between matrices, so
         # this rank holds its matrices whole) and every rank's (length, offset) along that dim
         cuts = []
@@ -187,9 +198,10 @@ class _ShardedMatrices:
         def piece(matrix: torch.Tensor, md: int, spans, r: int) -> torch.Tensor:
             return matrix.narrow(md, spans[r][1], spans[r][0])
 
-        # (update, matrix) pairs cut across ranks, each with its owner: rank (turn + i) mod n
+        # (update, matrix) pairs cut across ranks that this replica orthogonalises, each with its owner: rank
+        # (turn + i) mod n
         cut = [(j, i, (turn + i) % n) for j, (_, u, turn) in enumerate(pending) if cuts[j][1] is not None
-               for i in range(u.shape[:-2].numel())]
+               for i in range(u.shape[:-2].numel()) if (turn + i) // n % nr == rep]
         mine = [(j, i) for j, i, owner in cut if owner == me]
 
         def piece_shape(j: int, r: int) -> list[int]:
@@ -215,7 +227,9 @@ class _ShardedMatrices:
                     start += size
             wholes = {ji: torch.cat(ps, dim=cuts[ji[0]][1]) for ji, ps in pieces.items()}
         # Newton-Schulz on every matrix this rank holds whole or owns, stacked by shape
-        todo = [((j, None), local) for j, (local, md, _) in enumerate(cuts) if md is None and len(local)]
+        held = {j: [m for m in range(len(local)) if m % nr == rep] for j, (local, md, _) in enumerate(cuts)
+                if md is None}  # the matrices held whole that this replica orthogonalises
+        todo = [((j, None), cuts[j][0][rows]) for j, rows in held.items() if rows]
         todo += [((j, i), m.unsqueeze(0)) for (j, i), m in wholes.items()]
         by_shape: dict[torch.Size, list] = {}
         for key, stack in todo:
@@ -242,12 +256,20 @@ class _ShardedMatrices:
                     size = math.prod(piece_shape(j, me))
                     outs.setdefault(j, {})[i] = received[start:start + size].view(piece_shape(j, me))
                     start += size
-        for j, (p, u, _) in enumerate(pending):
-            local, md, _ = cuts[j]
-            if md is None:
-                mine_local = results[(j, None)] if len(local) else local.to(torch.bfloat16)
-            else:
-                mine_local = torch.stack([outs[j][i] for i in range(local.shape[0])])
+        done = []  # per update, its local results (zeros where another replica orthogonalised)
+        for j, (local, md, _) in enumerate(cuts):
+            out = torch.zeros(local.shape, dtype=torch.bfloat16, device=local.device)
+            if md is None and held[j]:
+                out[held[j]] = results[(j, None)]
+            for i, result in outs.get(j, {}).items():
+                out[i] = result
+            done.append(out)
+        if nr > 1:
+            summed = torch.cat([o.reshape(-1) for o in done])
+            for d in replicas:
+                torch.distributed.all_reduce(summed, group=mesh.get_group(d))
+            done = [t.view(o.shape) for t, o in zip(summed.split([o.numel() for o in done]), done)]
+        for (p, u, _), mine_local in zip(pending, done):
             ortho = DTensor.from_local(mine_local.view(u.to_local().shape), mesh, u.placements, run_check=False,
                                        shape=u.shape, stride=u.stride())
             self.apply(p, ortho)

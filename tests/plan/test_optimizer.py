@@ -63,24 +63,32 @@ def _measure_case(_, case) -> None:
 
     name, overrides = case
     cfg = _config(overrides)
-    dims, batch = cfg.layout(2)
+    world = torch.distributed.get_world_size()
+    dims, batch = cfg.layout(world)
     torch.manual_seed(0)
     par, opt, _ = build_model(cfg, torch.device("cpu"), dims, batch)
-    ids = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, cfg.model.vocab_size, (4 // world, 17), generator=torch.Generator().manual_seed(0))
     par.runner.train_step(ids[:, :-1], ids[:, 1:])
     with CollectiveBytes() as measured:
         opt.step()
     # each matrix's owner receives and sends more than the others: the plan costs the mean rank
     sent = torch.tensor(measured.sent, dtype=torch.float64)
     torch.distributed.all_reduce(sent)
-    job = Job(cfg.model, get_gpu("H100-80GB"), 1, 2, 16, 64, optimizer="muon")
+    job = Job(cfg.model, get_gpu("H100-80GB"), 1, world, 16, 64, optimizer="muon")
     cost = muon_rank_cost(job, Layout(dims, 1, "none"), list(range(cfg.model.n_layers)))
-    assert float(sent) / 2 == pytest.approx(cost["intra_bytes"], rel=1e-12), (name, measured.ops, cost)
+    assert float(sent) / world == pytest.approx(cost["intra_bytes"], rel=1e-12), (name, measured.ops, cost)
 
 
 def test_the_bytes_per_step_are_the_trainers():
     cases = [(name, overrides) for name, overrides in LAYOUTS.items()]
     check_results(launch(2, cases, _measure_case), cases)
+
+
+def test_the_bytes_per_step_under_hsdp_are_the_trainers():
+    """2 replicas of a 2-way cut (4 ranks): each replica's all-to-alls for its share of the matrices, the results
+    summed over the replicas."""
+    cases = [("hsdp 2 x 2", {"parallel.dp_replicate": 2})]
+    check_results(launch(4, cases, _measure_case), cases)
 
 
 def test_muon_in_the_plan_hand_worked():

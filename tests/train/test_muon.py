@@ -166,10 +166,11 @@ def test_what_is_not_supported_is_one_line(tmp_path, changes, world, message):
 
 
 def _sharded_case(_, case) -> None:
-    """Matrices of awkward shapes sharded over 2 ranks (uneven rows, an empty shard, a column cut, a 3-D experts
-    tensor) on two meshes in turn (as expert slices over efsdp and the rest over dp_shard interleave), stepped by
-    moeflow's Muon with a tiny flush bound (several flushes a step) or the default one (one flush per mesh and
-    step): each equals torch.optim.Muon on the whole matrix in one process, within 1% of its movement."""
+    """Matrices of awkward shapes sharded over the ranks (uneven rows, an empty shard, a column cut, a 3-D experts
+    tensor) on two meshes in turn (as expert slices over efsdp and the rest over dp_shard interleave; on 4 ranks
+    the second is HSDP's: 2 replicas of a 2-way cut), stepped by moeflow's Muon with a tiny flush bound (several
+    flushes a step) or the default one (one flush per mesh and step): each equals torch.optim.Muon on the whole
+    matrix in one process, within 1% of its movement."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -181,7 +182,9 @@ def _sharded_case(_, case) -> None:
     flushes = []
     flush = muon_module._ShardedMatrices._flush
     muon_module._ShardedMatrices._flush = lambda self, key: flushes.append(key) or flush(self, key)
-    one_dim, two_dims = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    world = torch.distributed.get_world_size()
+    one_dim = init_device_mesh("cpu", (world,))
+    two_dims = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("a", "b"))
     gen = torch.Generator().manual_seed(0)
     shapes = [((5, 4), Shard(0)), ((1, 3), Shard(0)), ((4, 3), Shard(1)), ((3, 4, 5), Shard(0))]
     whole = [torch.randn(shape, generator=gen) for shape, _ in shapes]
@@ -203,7 +206,7 @@ def _sharded_case(_, case) -> None:
     start = [m for w in whole for m in (w.unbind(0) if w.ndim == 3 else [w])]
     for a, b, a0 in zip(got, ref, start):
         assert (a - b).norm() <= 0.01 * (b - a0).norm(), (a - b).norm() / (b - a0).norm()
-    if not bound:  # the meshes alternate parameter by parameter; each bucket still fills one collective
+    if not bound and world == 2:  # the meshes alternate parameter by parameter; each bucket still fills one collective
         assert len(flushes) == 2 * len(grads), flushes
     muon_module._ShardedMatrices._flush = flush
 
@@ -213,3 +216,10 @@ def test_sharded_matrices_of_awkward_shapes_step_as_torch_optim_muon():
 
     cases = [("awkward shards, tiny bound", 256), ("awkward shards, one flush per mesh", 0)]
     check_results(launch(2, cases, _sharded_case), cases)
+
+
+def test_sharded_matrices_on_four_ranks_and_hsdp_step_as_torch_optim_muon():
+    from tests.support.dist_harness import check_results, launch
+
+    cases = [("awkward shards on 4 ranks, HSDP", 0)]
+    check_results(launch(4, cases, _sharded_case), cases)
