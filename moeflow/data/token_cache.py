@@ -156,16 +156,23 @@ def write_cache(src: RecordSource, encoder, root: Path, *, max_bytes: int = 4_00
     tmp.mkdir(parents=True)
     try:
         meta = _tokenize(src, encoder, tmp, key, max_bytes, progress, workers)
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(tmp / "hf", ignore_errors=True)  # datasets' Arrow copies of the local files
-        try:
-            os.rename(tmp, folder)
-        except OSError:  # another process finished the same cache first; theirs is as good
-            if not (folder / META).is_file():
-                raise
+        commit(tmp, folder, meta, [tmp / "hf"])  # (datasets' Arrow copies of the local files)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def commit(tmp: Path, folder: Path, meta: dict, scratch: list[Path]) -> None:
+    """The meta into `tmp`, its `scratch` removed, and `tmp` renamed to `folder`: a cache folder that exists is
+    complete."""
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    for path in scratch:
+        shutil.rmtree(path, ignore_errors=True)
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # another process finished the same cache first; theirs is as good
+        if not (folder / META).is_file():
+            raise
 
 
 # A forked worker's view of the job: the records and the encoder (inherited, not pickled).

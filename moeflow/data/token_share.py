@@ -8,7 +8,6 @@ other ranks to open it.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from moeflow.data.token_cache import (
     _load_checked,
     _write_tokens,
     cache_key,
+    commit,
 )
 
 
@@ -61,14 +61,7 @@ def write_together(src: RecordSource, encoder, root: Path, share: Share, *, max_
     try:
         meta = _tokenize_together(src, encoder, tmp, key, max_bytes, progress, share)
         if share.joins:
-            (tmp / META).write_text(json.dumps(meta, indent=1))
-            for scratch in [tmp / "parts", *tmp.glob("hf-*")]:
-                shutil.rmtree(scratch, ignore_errors=True)
-            try:
-                os.rename(tmp, folder)
-            except OSError:  # another job finished the same cache first; theirs is as good
-                if not (folder / META).is_file():
-                    raise
+            commit(tmp, folder, meta, [tmp / "parts", *tmp.glob("hf-*")])
     finally:
         if share.joins:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -78,9 +78,9 @@ class HostOffloadAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        copied = []
+        copied, work = [], []  # (parameters, (group, its host tensors)) of the step
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            tensors = ([], [], [], [], [])  # masters, gradient buffers, exp_avgs, exp_avg_sqs, steps
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -91,16 +91,15 @@ class HostOffloadAdamW(torch.optim.AdamW):
                 if p not in self._grads:
                     self._grads[p] = _pinned(_local(p))
                 self._grads[p].copy_(_local(p.grad), non_blocking=True)
-                params.append(self._masters[p][1])
-                grads.append(self._grads[p])
-                exp_avgs.append(_local(state["exp_avg"]))
-                exp_avg_sqs.append(_local(state["exp_avg_sq"]))
-                steps.append(state["step"])
+                for out, t in zip(tensors, (self._masters[p][1], self._grads[p], _local(state["exp_avg"]),
+                                            _local(state["exp_avg_sq"]), state["step"])):
+                    out.append(t)
                 copied.append(p)
-            if not params:
-                continue
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()  # the gradients' copies have landed
+            if tensors[0]:
+                work.append((group, tensors))
+        if work and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # every gradient's copy has landed (one wait per step)
+        for group, (params, grads, exp_avgs, exp_avg_sqs, steps) in work:
             beta1, beta2 = group["betas"]
             adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, amsgrad=group["amsgrad"],
                  beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],

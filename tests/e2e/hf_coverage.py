@@ -291,15 +291,11 @@ def _lora(ref, folder: Path, out: Path, held_out: torch.Tensor) -> str:
     from moeflow.core.model_config import ModelConfig
     from moeflow.models import lora
     from moeflow.models.peft_format import write_adapter
+    from tests.support.model_helpers import random_lora_factors
 
     model = copy.deepcopy(ref).eval()
     lora.add(model, 4, 8.0, 0.0, "auto", True)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if lora.is_factor(name):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    factors = {name: p.detach() for name, p in model.named_parameters() if lora.is_factor(name)}
+    factors = random_lora_factors(model)
     if not any(".experts.lora_" in name for name in factors):
         raise AssertionError("no experts adapter")
     adapter = write_adapter(factors, ModelConfig(hf_path=str(folder), hf_impl="transformers"),

@@ -6,8 +6,6 @@ another layout without offload; the dry run reports what sits on the host; what 
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -17,14 +15,10 @@ from moeflow.train.dry_run import dry_run
 from moeflow.train.offload import HostOffloadAdamW
 from tests.parallel.layout_worker import BASE, launch
 from tests.support.cli import assert_one_line
+from tests.support.model_helpers import steps
 
 LAYOUTS = {"zero3": ["--parallel.zero=3"], "zero1-ep2": ["--parallel.zero=1", "--parallel.ep=2"],
            "tp2": ["--parallel.tp=2"]}
-
-
-def _steps(run_dir) -> list[tuple[float, float]]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
 
 
 def test_the_host_optimizer_is_torch_adamw_step_for_step():
@@ -75,11 +69,11 @@ def test_offloaded_runs_train_what_the_layout_trains(tmp_path):
     results = launch(2, cases)
     assert set(results.values()) == {"ok"}, results
     for name in LAYOUTS:
-        plain = _steps(tmp_path / f"{name}-none")
+        plain = steps(tmp_path / f"{name}-none")
         for offload in ("params", "optimizer"):
-            assert _steps(tmp_path / f"{name}-{offload}") == plain and len(plain) == 3, (name, offload)
-    assert _steps(tmp_path / "stop") == _steps(tmp_path / "zero1-ep2-none")
-    np.testing.assert_allclose(_steps(tmp_path / "stop-resharded"), _steps(tmp_path / "zero1-ep2-none"), rtol=1e-5)
+            assert steps(tmp_path / f"{name}-{offload}") == plain and len(plain) == 3, (name, offload)
+    assert steps(tmp_path / "stop") == steps(tmp_path / "zero1-ep2-none")
+    np.testing.assert_allclose(steps(tmp_path / "stop-resharded"), steps(tmp_path / "zero1-ep2-none"), rtol=1e-5)
 
 
 def test_the_dry_run_puts_the_state_on_the_host():

@@ -1,5 +1,6 @@
-"""Small model configs shared by the model tests (test_transformer.py, test_moe.py, test_model_config.py), and
-metric(), which reads a training run's metrics.jsonl."""
+"""Small model configs shared by the model tests (test_transformer.py, test_moe.py, test_model_config.py);
+metric() and steps(), which read a training run's metrics.jsonl; random_lora_factors() and next_token_loss(), for
+comparing LoRA against peft."""
 
 from __future__ import annotations
 
@@ -31,3 +32,30 @@ def metric(run_dir: Path, key: str = "loss") -> dict[int, float]:
     """{step: value of `key`} from the run's metrics.jsonl (records without the key are skipped)."""
     records = map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())
     return {r["step"]: r[key] for r in records if key in r}
+
+
+def steps(run_dir: Path) -> list[tuple[float, float]]:
+    """(loss, grad_norm) of every logged step of the run."""
+    records = map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())
+    return [(r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+
+
+@torch.no_grad()
+def random_lora_factors(model: torch.nn.Module, seed: int = 3) -> dict[str, torch.Tensor]:
+    """Every LoRA factor of `model` drawn at 0.1 x N(0, 1) (B nonzero, so the adapter changes the output);
+    {name: factor}."""
+    from moeflow.models import lora
+
+    gen = torch.Generator().manual_seed(seed)
+    factors = {n: p for n, p in model.named_parameters() if lora.is_factor(n)}
+    for p in factors.values():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return {n: p.detach() for n, p in factors.items()}
+
+
+@torch.no_grad()
+def next_token_loss(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    """Cross-entropy of the first sequence of `ids` [1, S + 1] predicting its next tokens (moeflow's model gives
+    logits, transformers' an output with .logits)."""
+    out = model(ids[:, :-1])
+    return float(torch.nn.functional.cross_entropy(getattr(out, "logits", out).flatten(0, 1), ids[0, 1:]))

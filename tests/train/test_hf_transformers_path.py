@@ -22,6 +22,7 @@ from moeflow.train.distributed import DistInfo  # noqa: E402
 from moeflow.train.trainer import train  # noqa: E402
 from tests.support.cli import assert_one_line  # noqa: E402
 from tests.support.hf_models import V, randomize  # noqa: E402
+from tests.support.model_helpers import steps  # noqa: E402
 
 REL = 1e-5
 
@@ -49,11 +50,6 @@ def _overrides(folder, run_dir, **more) -> dict:
             **more}
 
 
-def _steps(run_dir) -> list[tuple[float, float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["loss"], r["grad_norm"]) for r in rows]
-
-
 def _routing(run_dir) -> list[dict[str, list[int]]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{layer: stats["tokens_per_expert"] for layer, stats in r["moe"].items()} for r in rows]
@@ -69,7 +65,7 @@ def test_the_run_is_transformers_model_from_its_first_loss(folder, tmp_path):
     with torch.no_grad():
         want = float(F.cross_entropy(hf(first.inputs).logits.flatten(0, 1), first.targets.flatten()))
     summary = train(cfg, fresh=True, progress=False)
-    assert _steps(tmp_path / "one")[0][0] == pytest.approx(want, rel=REL)
+    assert steps(tmp_path / "one")[0][0] == pytest.approx(want, rel=REL)
     assert summary["model"].startswith("GptOssForCausalLM (transformers")
 
 
@@ -96,9 +92,9 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
                           False)])
     assert set(results.values()) == {"ok"}, results
     train(load_config(None, _overrides(folder, tmp_path / "stop")), resume=True, progress=False)  # 1 process
-    want = np.array(_steps(tmp_path / "one"))
+    want = np.array(steps(tmp_path / "one"))
     for run in results:
-        np.testing.assert_allclose(np.array(_steps(tmp_path / run)), want, rtol=REL, err_msg=run)
+        np.testing.assert_allclose(np.array(steps(tmp_path / run)), want, rtol=REL, err_msg=run)
     # the routing moeflow reads from transformers' MoE blocks: every logged step's tokens per expert, counted once
     # per token whatever the layout (tp's folded ranks each count their slice, pp's stages their layers)
     for run in results:
@@ -206,7 +202,7 @@ def test_compiled_blocks_under_expert_parallelism_train_the_one_process_run(fold
     argv = [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / "ep2c", **{"parallel.ep": 2,
                                                                               "training.compile": True}).items()]
     assert launch(2, [("ep2c", argv, str(tmp_path / "ep2c"), False)]) == {"ep2c": "ok"}
-    np.testing.assert_allclose(np.array(_steps(tmp_path / "ep2c")), np.array(_steps(tmp_path / "one")), rtol=REL)
+    np.testing.assert_allclose(np.array(steps(tmp_path / "ep2c")), np.array(steps(tmp_path / "one")), rtol=REL)
 
 
 @pytest.mark.slow
@@ -225,7 +221,7 @@ def test_four_rank_layouts_train_the_one_process_run(folder, tmp_path):
               False) for run, more in runs.items()]
     assert launch(4, cases) == {run: "ok" for run in runs}
     for run in runs:
-        np.testing.assert_allclose(np.array(_steps(tmp_path / run)), np.array(_steps(tmp_path / "one")), rtol=REL,
+        np.testing.assert_allclose(np.array(steps(tmp_path / run)), np.array(steps(tmp_path / "one")), rtol=REL,
                                    err_msg=run)
 
 
@@ -247,7 +243,7 @@ def test_a_selection_bias_moves_as_moeflows_aux_free_routers(tmp_path):
     train(load_config(None, overrides("one")), fresh=True, progress=False)
     argv = [f"--{k}={v}" for k, v in overrides("ep2", **{"parallel.ep": 2}).items()]
     assert launch(2, [("ep2", argv, str(tmp_path / "ep2"), False)]) == {"ep2": "ok"}
-    np.testing.assert_allclose(np.array(_steps(tmp_path / "ep2")), np.array(_steps(tmp_path / "one")), rtol=REL)
+    np.testing.assert_allclose(np.array(steps(tmp_path / "ep2")), np.array(steps(tmp_path / "one")), rtol=REL)
     rows = {run: [json.loads(x)["moe"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
             for run in ("one", "ep2")}
     assert rows["ep2"] == rows["one"]
@@ -276,6 +272,6 @@ def test_muon_on_transformers_modules_trains_the_one_process_run(folder, tmp_pat
               str(tmp_path / run), False) for run, more in runs.items()]
     assert launch(2, cases) == {run: "ok" for run in runs}
     for run in runs:
-        steps = 3 if run == "tp2" else 4
-        np.testing.assert_allclose(np.array(_steps(tmp_path / run))[:steps], np.array(_steps(tmp_path / "one"))[:steps],
+        held = 3 if run == "tp2" else 4
+        np.testing.assert_allclose(np.array(steps(tmp_path / run))[:held], np.array(steps(tmp_path / "one"))[:held],
                                    rtol=REL, err_msg=run)

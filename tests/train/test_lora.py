@@ -24,6 +24,7 @@ from moeflow.models.peft_format import write_adapter  # noqa: E402
 from moeflow.train.trainer import train  # noqa: E402
 from tests.support.cli import assert_one_line  # noqa: E402
 from tests.support.hf_models import V, hf_configs, randomize  # noqa: E402
+from tests.support.model_helpers import next_token_loss, random_lora_factors, steps  # noqa: E402
 
 REL = 1e-5
 
@@ -50,17 +51,6 @@ def _overrides(folder, run_dir, **more) -> dict:
             "peft.method": "lora", "peft.rank": 4, "peft.alpha": 8.0, **more}
 
 
-def _steps(run_dir) -> list[tuple[float, float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["loss"], r["grad_norm"]) for r in rows]
-
-
-def _loss(model, ids) -> float:
-    with torch.no_grad():
-        out = model(ids[:, :-1])
-        return float(F.cross_entropy(getattr(out, "logits", out).flatten(0, 1), ids[0, 1:]))
-
-
 @pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"])
 def test_the_adapted_forward_is_peft_model_s(tmp_path, name):
     """Random factors (B nonzero), written in PEFT's format and loaded by PeftModel.from_pretrained on the folder:
@@ -70,12 +60,8 @@ def test_the_adapted_forward_is_peft_model_s(tmp_path, name):
     model, cfg = from_pretrained(folder, dtype=torch.float32)
     job = load_config(None, _overrides(folder, tmp_path / "run"))
     lora.add(model, 4, 8.0, 0.0, "auto", True)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if lora.is_factor(n):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    factors = {n: p.detach() for n, p in model.named_parameters() if lora.is_factor(n)}
+    factors = random_lora_factors(model)
+    gen = torch.Generator().manual_seed(4)
     assert any("experts.lora" in n for n in factors) == cfg.is_moe
     out = write_adapter(factors, job.model, job.peft, tmp_path / "adapter")
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -120,10 +106,10 @@ def test_a_run_trains_the_adapters_only_and_peft_loads_them(folder, tmp_path):
     ids = torch.from_numpy(np.fromfile(folder / "tokens.bin", dtype=np.uint16)[:33].astype(np.int64))[None]
     ours, *_ = load_model(str(run))
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    untouched = _loss(base, ids)
+    untouched = next_token_loss(base, ids)
     theirs = peft.PeftModel.from_pretrained(base, run / "adapter").eval()
-    assert _loss(theirs, ids) == pytest.approx(_loss(ours, ids), rel=REL)
-    assert abs(_loss(theirs, ids) - untouched) > 1e-3
+    assert next_token_loss(theirs, ids) == pytest.approx(next_token_loss(ours, ids), rel=REL)
+    assert abs(next_token_loss(theirs, ids) - untouched) > 1e-3
     config = json.loads((run / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(folder) and config["r"] == 4
 
@@ -132,7 +118,7 @@ def test_a_run_trains_the_adapters_only_and_peft_loads_them(folder, tmp_path):
     out = tmp_path / "merged"
     assert cli_main(["convert", "moeflow-to-hf", str(run), str(out), "--dtype", "fp32"]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert _loss(merged, ids) == pytest.approx(_loss(ours, ids), rel=REL)
+    assert next_token_loss(merged, ids) == pytest.approx(next_token_loss(ours, ids), rel=REL)
 
 
 def test_bf16_autocast_trains_the_fp32_lora_steps_within_a_tolerance(folder, tmp_path):
@@ -145,12 +131,12 @@ def test_bf16_autocast_trains_the_fp32_lora_steps_within_a_tolerance(folder, tmp
     from moeflow.train.distributed import DistInfo
     from moeflow.train.step import train_step
 
-    steps, moved = {}, {}
+    results, moved = {}, {}
     for dtype in ("fp32", "bf16"):
         cfg = load_config(None, _overrides(folder, tmp_path / dtype, **{"training.dtype": dtype}))
         s = build(cfg, DistInfo(0, 1, 0, torch.device("cpu")), *cfg.layout(1))
         before = {n: p.detach().clone() for n, p in s.model.named_parameters()}
-        steps[dtype] = [train_step(cfg, s, with_moe_stats=False, measure=False,
+        results[dtype] = [train_step(cfg, s, with_moe_stats=False, measure=False,
                                    per_rank=lambda: {"peak_memory_mb": 0.0}) for _ in range(4)]
         after = dict(s.model.named_parameters())
         assert all(torch.equal(after[n], before[n]) for n in before if not lora.is_factor(n)), dtype
@@ -159,8 +145,8 @@ def test_bf16_autocast_trains_the_fp32_lora_steps_within_a_tolerance(folder, tmp
         assert {t.dtype for p in factors for t in s.optimizer.state[p].values() if t.dim()} == {torch.float32}
         moved[dtype] = torch.cat([(after[n] - before[n]).detach().flatten() for n in before if lora.is_factor(n)])
     assert float(F.cosine_similarity(moved["bf16"], moved["fp32"], dim=0)) > 0.9
-    losses = {d: [r.loss for r in rows] for d, rows in steps.items()}
-    norms = {d: [r.grad_norm for r in rows] for d, rows in steps.items()}
+    losses = {d: [r.loss for r in rows] for d, rows in results.items()}
+    norms = {d: [r.grad_norm for r in rows] for d, rows in results.items()}
     assert losses["bf16"][0] != losses["fp32"][0]
     assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2)
     assert norms["bf16"] == pytest.approx(norms["fp32"], rel=2e-2)
@@ -184,14 +170,14 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
     argv = lambda run, **more: [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / run, **more).items()]
     results = launch(2, [(n, argv(n, **LAYOUTS[n]), str(tmp_path / n), False) for n in names])
     assert set(results.values()) == {"ok"}, results
-    want = np.array(_steps(tmp_path / "one"))
+    want = np.array(steps(tmp_path / "one"))
     if "stop" in names:
         train(load_config(None, _overrides(folder, tmp_path / "stop")), resume=True, progress=False)  # 1 process
     for run in results:
-        np.testing.assert_allclose(np.array(_steps(tmp_path / run)), want, rtol=REL, err_msg=run)
+        np.testing.assert_allclose(np.array(steps(tmp_path / run)), want, rtol=REL, err_msg=run)
     if "stop" in names:
         train(load_config(None, _overrides(folder, tmp_path / "stop")), fresh=True, progress=False)
-        np.testing.assert_allclose(np.array(_steps(tmp_path / "stop")), want, rtol=REL)
+        np.testing.assert_allclose(np.array(steps(tmp_path / "stop")), want, rtol=REL)
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -7,12 +7,9 @@ one-process run; bad settings are one line before any rank."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -23,6 +20,7 @@ from moeflow.models.peft_format import write_adapter  # noqa: E402
 from moeflow.train.trainer import train  # noqa: E402
 from tests.support.cli import assert_one_line  # noqa: E402
 from tests.support.hf_tiny import V, tiny_model  # noqa: E402
+from tests.support.model_helpers import next_token_loss, random_lora_factors, steps  # noqa: E402
 
 REL = 1e-5
 
@@ -53,17 +51,6 @@ def _overrides(folder, run_dir, **more) -> dict:
             "run_dir": str(run_dir), "peft.method": "lora", "peft.rank": 4, "peft.alpha": 8.0, **more}
 
 
-def _steps(run_dir) -> list[tuple[float, float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["loss"], r["grad_norm"]) for r in rows]
-
-
-def _loss(model, ids) -> float:
-    with torch.no_grad():
-        out = model(ids[:, :-1])
-        return float(F.cross_entropy(getattr(out, "logits", out).flatten(0, 1), ids[0, 1:]))
-
-
 @pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe", "mixtral", "deepseek_v2", "granitemoeshared", "llama"])
 def test_the_adapted_forward_is_peft_model_s(tmp_path, name):
     """Random factors (B nonzero) on transformers' model, written in PEFT's format and loaded by
@@ -72,12 +59,8 @@ def test_the_adapted_forward_is_peft_model_s(tmp_path, name):
     model = hf_transformers.load(folder).eval()
     job = load_config(None, _overrides(folder, tmp_path / "run"))
     lora.add(model, 4, 8.0, 0.0, "auto", True)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if lora.is_factor(n):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    factors = {n: p.detach() for n, p in model.named_parameters() if lora.is_factor(n)}
+    factors = random_lora_factors(model)
+    gen = torch.Generator().manual_seed(4)
     assert any(".experts.lora_" in n for n in factors) == (name != "llama")
     out = write_adapter(factors, job.model, job.peft, tmp_path / "adapter")
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -120,15 +103,15 @@ def test_a_run_trains_the_adapters_only_and_peft_loads_them(folder, tmp_path):
     ids = torch.from_numpy(np.fromfile(folder / "tokens.bin", dtype=np.uint16)[:33].astype(np.int64))[None]
     ours, *_ = load_model(str(run))  # what moeflow generate / eval run
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    untouched = _loss(base, ids)
+    untouched = next_token_loss(base, ids)
     theirs = peft.PeftModel.from_pretrained(base, run / "adapter").eval()
-    assert _loss(theirs, ids) == pytest.approx(_loss(ours, ids), rel=REL)
-    assert abs(_loss(theirs, ids) - untouched) > 1e-3
+    assert next_token_loss(theirs, ids) == pytest.approx(next_token_loss(ours, ids), rel=REL)
+    assert abs(next_token_loss(theirs, ids) - untouched) > 1e-3
 
     out = tmp_path / "merged"
     assert cli_main(["convert", "moeflow-to-hf", str(run), str(out), "--dtype", "fp32"]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert _loss(merged, ids) == pytest.approx(_loss(ours, ids), rel=REL)
+    assert next_token_loss(merged, ids) == pytest.approx(next_token_loss(ours, ids), rel=REL)
 
 
 LAYOUTS = {"ep2": {"parallel.ep": 2}, "stop": {"parallel.ep": 2, "training.stop_at": 2},
@@ -152,10 +135,10 @@ def test_layouts_train_the_one_process_run(folder, tmp_path, names):
     assert set(results.values()) == {"ok"}, results
     if "stop" in names:
         train(load_config(None, _overrides(folder, tmp_path / "stop")), resume=True, progress=False)  # 1 process
-    want = np.array(_steps(tmp_path / "one"))
+    want = np.array(steps(tmp_path / "one"))
     adapter = load_file(tmp_path / "one" / "adapter" / "adapter_model.safetensors")
     for run in results:
-        np.testing.assert_allclose(np.array(_steps(tmp_path / run)), want, rtol=REL, err_msg=run)
+        np.testing.assert_allclose(np.array(steps(tmp_path / run)), want, rtol=REL, err_msg=run)
         theirs = load_file(tmp_path / run / "adapter" / "adapter_model.safetensors")
         assert theirs.keys() == adapter.keys()
         for k, v in adapter.items():  # 4 AdamW steps at lr 1e-2 from the same start (measured: 6e-5 at most)
