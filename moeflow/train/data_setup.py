@@ -192,7 +192,12 @@ def build_data(cfg: JobConfig, is_main: bool = True) -> Data:
     if not uses_cache(cfg):
         tokens = _stream_tokens(cfg)
         train, val = split_tokens(tokens, d.val_fraction, d.seq_len)
-        return Data(train, val_batches(val, d.seq_len, t.global_batch, cfg.eval.batches))
+        summary = {}
+        if prefix is not None:  # its index counts the documents, also where the run reads one token stream
+            documents = len(megatron.read_index(Path(f"{prefix}.idx")).document_indices) - 1
+            summary = {"format": "megatron", "packing": False, "cache": str(prefix), "records": documents,
+                       "tokens": int(len(tokens))}
+        return Data(train, val_batches(val, d.seq_len, t.global_batch, cfg.eval.batches), summary)
     folder, fingerprint = _prepare_on_rank0(cfg, is_main)
     cache = open_cache(folder, fingerprint, "the token cache")
     if cache.meta["max_token_id"] >= cfg.model.vocab_size:

@@ -87,6 +87,8 @@ def test_a_blended_run_counts_each_source_and_resumes_exactly(tmp_path):
     summary = train(load_config(None, _overrides(tmp_path / "straight")), progress=False)
     sources = summary["data"]["sources"]
     assert [s["weight"] for s in sources] == [0.75, 0.25]
+    expected = json.loads((Path(__file__).parent / "megatron" / "expected.json").read_text())["small_uint16"]
+    assert sources[0]["documents"] == len(expected["document_indices"]) - 1  # what megatron-core's reader counts
     assert sum(s["trained_tokens"] for s in sources) == 6 * 4 * 16
     assert sources[0]["trained_tokens"] == 3 * sources[1]["trained_tokens"]  # 18 and 6 sequences of 16
     rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
