@@ -57,7 +57,9 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
-        return F.linear(x, self.weight, self.bias) + self.lora_scale * F.linear(F.linear(h, self.lora_A), self.lora_B)
+        # alpha / r on the [.., r] rows (the narrowest), the sum in place (F.linear's backward does not read its output)
+        return F.linear(x, self.weight, self.bias).add_(F.linear(self.lora_scale * F.linear(h, self.lora_A),
+                                                                 self.lora_B))
 
     def merged(self) -> nn.Linear:
         """A plain nn.Linear holding W + (alpha / r) B A."""

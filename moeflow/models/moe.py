@@ -493,13 +493,18 @@ def expert_matmuls(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD, impl: str, lora: tupl
     w1_EDF, w3_EDF, w2_EFD = w1_EDF.to(dtype), w3_EDF.to(dtype), w2_EFD.to(dtype)
     h1_NF, h3_NF = mm(x_ND, w1_EDF), mm(x_ND, w3_EDF)
     if lora:
+        # alpha / r scales the [N, r] rows, not the [N, F] outputs; B's gate and up halves each add to their own
+        # output (slicing one [N, 2F] product would cost its backward a zero-filled [N, 2F] per half), in place:
+        # a grouped matmul's backward does not read its output, and a fresh [N, F] per sum is a page-faulting copy
         scale, gate_up_A, gate_up_B, down_A, down_B = (lora[0], *(w.to(dtype) for w in lora[1:]))
-        gate_up_N2F = scale * mm(mm(x_ND, gate_up_A.mT), gate_up_B.mT)
-        h1_NF, h3_NF = h1_NF + gate_up_N2F[:, :h1_NF.shape[1]], h3_NF + gate_up_N2F[:, h1_NF.shape[1]:]
+        F = h1_NF.shape[1]
+        xA_Nr = scale * mm(x_ND, gate_up_A.mT)
+        h1_NF.add_(mm(xA_Nr, gate_up_B[:, :F].mT))
+        h3_NF.add_(mm(xA_Nr, gate_up_B[:, F:].mT))
     h_NF = _swiglu(h1_NF, h3_NF)
     y_ND = mm(h_NF, w2_EFD)
     if lora:
-        y_ND = y_ND + scale * mm(mm(h_NF, down_A.mT), down_B.mT)
+        y_ND.add_(mm(scale * mm(h_NF, down_A.mT), down_B.mT))
     if impl == "grouped_mm" and y_ND.requires_grad:  # grouped_mm's backward rejects a stride-0 gradient (y.sum())
         y_ND.register_hook(lambda g: g.contiguous())
     return y_ND
