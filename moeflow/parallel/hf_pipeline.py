@@ -87,7 +87,7 @@ class NoEmbedding(nn.Module):
 _UNPACKED_LAYER_OUTPUT = re.compile(r"^\s*\w+(?:\s*,\s*\w+)+\s*=\s*\w*layer\w*\(", re.MULTILINE)
 
 
-def _carried_state(model_class: type) -> str | None:
+def carried_state(model_class: type) -> str | None:
     """The line of the base model's forward that unpacks a layer's output into more than the hidden states
     (state one layer passes to the next, such as an indexer's top-k selection), read from its source."""
     try:
@@ -111,7 +111,7 @@ def hf_pipeline_refusal(model: nn.Module, pp_schedule: str) -> str | None:
     if getattr(head, "weight", None) is embedding.weight:  # (the config's flag has no one name in every family)
         return (f"{name}: tied embeddings would sit on two pipeline stages (the embedding on the first, the output "
                 f"head on the last); use pp = 1")
-    carried = _carried_state(type(model.model))
+    carried = carried_state(type(model.model))
     if carried:
         return (f"{name}: its layers hand the next one more than the hidden states, which a pipeline stage does "
                 f"not receive; its loop reads `{carried.split('=')[0].strip()}` from each; use pp = 1")

@@ -112,11 +112,13 @@ def tensor_parallel(b: _Build) -> None:
     """Tensor and sequence parallelism by a plan that is data (moeflow.parallel.tensor), on plain modules."""
     if b.dims.tp > 1:
         from moeflow.parallel.mesh import submesh
-        from moeflow.parallel.tensor import apply_tensor_parallel
+        from moeflow.parallel.tensor import apply_tensor_parallel, tp_plan, whole_mixers
 
         b.state.tp_mesh = submesh(b.state.mesh, "tp")
         for stage in b.stages:
-            apply_tensor_parallel(stage, b.state.tp_mesh, plan=b.options.tp_plan, fold_experts=b.dims.fold_experts)
+            plan = b.options.tp_plan or tp_plan(stage, fold_experts=b.dims.fold_experts)
+            b.state.tp_whole.update(whole_mixers(stage, plan))
+            apply_tensor_parallel(stage, b.state.tp_mesh, plan=plan, fold_experts=b.dims.fold_experts)
 
 
 def context_parallel(b: _Build) -> None:
@@ -175,9 +177,11 @@ def fsdp(b: _Build) -> None:
     apply_fsdp(b.blocks(), b.stages, dims, b.state.mesh, None if keep_fp32 else b.options.autocast_dtype,
                offload=b.options.offload == "params")
     if dims.tp > 1:  # latent attention's down-projections and norms: whole on each tp rank, gradients partial
+        whole = {id(m) for m in b.state.tp_whole.values()}  # (not in an attention that runs whole itself)
         b.state.tp_partial += [p for block in b.blocks().values()
-                               for m in shared_by_heads(getattr(block, b.adapter.names.attention, None))
-                               for p in m.parameters()]
+                               for attention in [getattr(block, b.adapter.names.attention, None)]
+                               if id(attention) not in whole
+                               for m in shared_by_heads(attention) for p in m.parameters()]
     if dims.fold_experts:
         # With the MoE folded over tp, each tp rank's router sees only its own tokens (its gradient is summed over
         # tp after backward), and each tp rank holds other experts (their gradients are distinct, not copies). The

@@ -23,6 +23,8 @@ class ParallelState:
     tp_partial: list = field(default_factory=list)
     tp_distinct: list = field(default_factory=list)
     tp_reduced: dict = field(default_factory=dict)  # id(param) -> (weakref, version) of its gradient once summed
+    # token mixers the tp plan does not shard, {fqn in its stage: module}: whole on every tp rank (WholeMixer)
+    tp_whole: dict = field(default_factory=dict)
     cp_mesh: Any = None  # the 1-D context-parallel mesh when cp > 1
 
     @property

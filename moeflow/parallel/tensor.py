@@ -122,6 +122,15 @@ class ReplicatedModule(ParallelStyle):
         return f"ReplicatedModule(sequence_dim={self.sequence_dim})"
 
 
+class WholeMixer(ReplicatedModule):
+    """ReplicatedModule for a layer's token mixer that the built-in plan cannot shard (a linear attention, a Mamba
+    mixer, an attention with a sparse-attention indexer): the layer's FFN and the other layers' attention stay
+    tensor-parallel; this mixer's parameters are replicated over tp, their gradients the same on every tp rank."""
+
+    def __repr__(self) -> str:
+        return "WholeMixer()"
+
+
 class LocalTokens(ParallelStyle):
     """Run the module on this tp rank's sequence slice only: the sequence-sharded DTensor input becomes its local
     [.., S/tp, ..] tensor and the plain output becomes this rank's slice of a sequence-sharded DTensor. No
@@ -296,16 +305,21 @@ def ffn_of(block: nn.Module, names) -> tuple[str, nn.Module] | None:
     return next(((name, child) for name, child in block.named_children() if _is_moe(child)), None)
 
 
+def _is_mlp(module: nn.Module) -> bool:
+    """An MLP or an expert, by its class's name (GraniteMoeSharedMLP, ...: as for norms, no common base)."""
+    name = type(module).__name__.lower()
+    return "mlp" in name or "expert" in name
+
+
 def beside_moe(block: nn.Module, names) -> list[str]:
     """Names of a block's children that run beside its MoE block on the same input, outside it (Granite-MoE's
-    shared_mlp, a shared expert the layer adds to the MoE's output): anything with parameters that is not the
-    attention, the FFN or a norm, in a block whose FFN is an MoE. They take the MoE block's style."""
+    shared_mlp, a shared expert the layer adds to the MoE's output): the MLPs other than the FFN in a block whose
+    FFN is an MoE. They take the MoE block's style."""
     found = ffn_of(block, names)
     if found is None or not _is_moe(found[1]):
         return []
     return [name for name, child in block.named_children()
-            if name not in (names.attention, found[0]) and not _is_norm(child)
-            and any(True for _ in child.parameters())]
+            if name not in (names.attention, found[0]) and _is_mlp(child)]
 
 
 def _moe_style(fold_experts: bool) -> ParallelStyle:
@@ -401,48 +415,69 @@ def shared_by_heads(attention: nn.Module | None) -> list[nn.Module]:
     return [m for m in (getattr(attention, n, None) for n in (*MLA_SHARED, *MLA_NORMS)) if m is not None]
 
 
-def _attention_parts(model: nn.Module, layers: dict[str, nn.Module], names) -> tuple[str, ...]:
-    """Check that the plan places every part of every layer's attention: q/k/v/o projections, q/k norms, output
+def _attention_parts(model: nn.Module, layers: dict[str, nn.Module], names) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Which layers' attention the plan shards: q/k/v/o projections (or latent attention's), q/k norms, output
     gates, and parameters of the attention's own with one row per query head (gpt-oss's sinks, Beam's gate bias),
-    whose names it returns (they follow the heads onto their tp ranks). ValueError naming the first part it cannot
-    place."""
+    all in one shape (the plan is built from the first such layer's). Returns (the names of those per-head
+    parameters, which follow the heads onto their tp ranks; {layer key: why its token mixer is not sharded} for
+    the other layers: a linear attention, a Mamba mixer, an attention with a part the plan cannot place)."""
     config = getattr(model, "config", None)  # a transformers config (moeflow's attention has no own parameters)
     heads = config.get_text_config().num_attention_heads if hasattr(config, "get_text_config") else None
+    per_head: dict[str, None] = {}
+    whole: dict[str, str] = {}
+    first_shape = None
+    for key, block in layers.items():
+        attention = getattr(block, names.attention, None)
+        why = _unplaced_attention_part(model, key, block, attention, names, heads)
+        if why is None:
+            shape = (_is_latent(attention), tuple(g for g in ATTENTION_GATES if hasattr(attention, g)))
+            first_shape = first_shape or shape
+            if shape != first_shape:
+                why = (f"{type(model).__name__}: attentions of different shapes (latent, output gates) in one model; "
+                       f"layer {key}'s differs from the first's; {HOW_TO_PASS_A_PLAN}")
+        if why is not None:
+            whole[key] = why
+            continue
+        per_head.update(dict.fromkeys(name for name, _ in attention.named_parameters(recurse=False)))
+    return tuple(per_head), whole
+
+
+def _unplaced_attention_part(model, key: str, block: nn.Module, attention: nn.Module | None, names,
+                             heads: int | None) -> str | None:
+    """Why the plan cannot shard layer `key`'s attention (None: it can)."""
     projections = (names.q, names.k, names.v, names.o)
     placed = (*projections, *(n for pair in QK_NORMS for n in pair), *ATTENTION_GATES,
               *MLA_PER_HEAD, *MLA_SHARED, *MLA_NORMS)
-    per_head: dict[str, None] = {}
-    for key, block in layers.items():
-        attention = getattr(block, names.attention, None)
-        latent = attention is not None and _is_latent(attention) and hasattr(attention, names.o) and (
-            getattr(attention, names.q, None) is not None or getattr(attention, "q_b_proj", None) is not None)
-        if attention is None or not (latent or all(hasattr(attention, p) for p in projections)):
-            which = (f"layer {key}'s is {type(attention).__name__}" if attention is not None else
-                     f"layer {key} has none (its parts: {', '.join(n for n, _ in block.named_children())})")
-            raise ValueError(f"{type(model).__name__}: an attention without {'/'.join(projections)} (or latent "
-                             f"attention's kv_a_proj_with_mqa/kv_b_proj) has no built-in tensor-parallel plan; "
-                             f"{which}; {HOW_TO_PASS_A_PLAN}")
-        first = getattr(next(iter(layers.values())), names.attention)
-        shape = lambda a: (_is_latent(a), tuple(g for g in ATTENTION_GATES if hasattr(a, g)))  # noqa: E731
-        if shape(attention) != shape(first):  # the plan is built from the first layer's attention
-            raise ValueError(f"{type(model).__name__}: attentions of different shapes (latent, output gates) in one "
-                             f"model; layer {key}'s differs from the first's; {HOW_TO_PASS_A_PLAN}")
-        for name, child in attention.named_children():
-            gate_widths = (heads, heads * getattr(attention, "head_dim", 0)) if heads else ()
-            if name in ATTENTION_GATES and not (isinstance(child, nn.Linear) and child.out_features in gate_widths):
-                raise ValueError(f"{type(model).__name__}: an attention gate that is not one value or one head's "
-                                 f"width per query head; layer {key}'s {names.attention}.{name} "
-                                 f"({type(child).__name__}); {HOW_TO_PASS_A_PLAN}")
-            if name not in placed and any(True for _ in child.parameters()):
-                raise ValueError(f"{type(model).__name__}: an attention submodule the built-in tensor-parallel plan "
-                                 f"does not place; layer {key}'s {names.attention}.{name} ({type(child).__name__}); "
-                                 f"{HOW_TO_PASS_A_PLAN}")
-        for name, p in attention.named_parameters(recurse=False):
-            if heads is None or p.ndim == 0 or p.shape[0] != heads:
-                raise ValueError(f"{type(model).__name__}: an attention parameter that is neither a projection's nor "
-                                 f"one row per head; layer {key}'s {name} {tuple(p.shape)}; {HOW_TO_PASS_A_PLAN}")
-            per_head[name] = None
-    return tuple(per_head)
+    latent = attention is not None and _is_latent(attention) and hasattr(attention, names.o) and (
+        getattr(attention, names.q, None) is not None or getattr(attention, "q_b_proj", None) is not None)
+    if attention is None or not (latent or all(hasattr(attention, p) for p in projections)):
+        which = (f"layer {key}'s is {type(attention).__name__}" if attention is not None else
+                 f"layer {key} has none (its parts: {', '.join(n for n, _ in block.named_children())})")
+        return (f"{type(model).__name__}: an attention without {'/'.join(projections)} (or latent attention's "
+                f"kv_a_proj_with_mqa/kv_b_proj) has no built-in tensor-parallel plan; {which}; {HOW_TO_PASS_A_PLAN}")
+    for name, child in attention.named_children():
+        gate_widths = (heads, heads * getattr(attention, "head_dim", 0)) if heads else ()
+        if name in ATTENTION_GATES and not (isinstance(child, nn.Linear) and child.out_features in gate_widths):
+            return (f"{type(model).__name__}: an attention gate that is not one value or one head's width per query "
+                    f"head; layer {key}'s {names.attention}.{name} ({type(child).__name__}); {HOW_TO_PASS_A_PLAN}")
+        if name not in placed and any(True for _ in child.parameters()):
+            return (f"{type(model).__name__}: an attention submodule the built-in tensor-parallel plan does not "
+                    f"place; layer {key}'s {names.attention}.{name} ({type(child).__name__}); {HOW_TO_PASS_A_PLAN}")
+    for name, p in attention.named_parameters(recurse=False):
+        if heads is None or p.ndim == 0 or p.shape[0] != heads:
+            return (f"{type(model).__name__}: an attention parameter that is neither a projection's nor one row per "
+                    f"head; layer {key}'s {name} {tuple(p.shape)}; {HOW_TO_PASS_A_PLAN}")
+    return None
+
+
+def token_mixers(block: nn.Module, names) -> list[str]:
+    """The children of a block with parameters but its norms, its FFN and the MLPs beside its MoE: its attention,
+    or what stands in for one (a linear attention, a Mamba mixer, a short convolution), and whatever else an
+    architecture adds to its layers (hyper-connections, residual gates)."""
+    found = ffn_of(block, names)
+    skip = {found[0] if found else names.ffn, *beside_moe(block, names)}
+    return [name for name, child in block.named_children()
+            if name not in skip and not _is_norm(child) and any(True for _ in child.parameters())]
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -487,24 +522,26 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
     return model
 
 
-def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) -> dict[str, ParallelStyle]:
-    """One plan for every family, addressed by the family's module names (moeflow.parallel.adapter)."""
-    names = adapter.names
-    if adapter.is_mla and adapter.family == "moeflow":  # no plan for moeflow's own latent attention yet
-        raise ValueError(MLA_TP_UNSUPPORTED)
-    layers = {str(k): block for k, block in adapter.blocks().items() if not str(k).startswith("mtp.")}
-    head_parameters = _attention_parts(model, layers, names)
-    block, attn = f"{names.layers}.*", f"{names.layers}.*.{names.attention}"
-    gather = _attention_gather(names)
-    plan: dict[str, ParallelStyle] = {}
-    if _module(model, names.embedding) is not None:
-        plan[names.embedding] = _embedding_style()
-    plan.update({f"{block}.{norm}": SequenceParallel() for norm in _block_norms(layers, names)})
-    first_attention = getattr(next(iter(layers.values())), names.attention)
-    plan.update({
+def _carries_state(model: nn.Module) -> bool:
+    """Whether a transformers model's layers hand each other more than the hidden states (read from its source)."""
+    from moeflow.parallel.hf_pipeline import carried_state
+
+    base = getattr(model, "model", None)
+    return base is not None and carried_state(type(base)) is not None
+
+
+def whole_mixers(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, nn.Module]:
+    """{fqn: module} of the token mixers `plan` runs whole on every tp rank (WholeMixer)."""
+    return {fqn: model.get_submodule(fqn) for fqn, style in plan.items() if isinstance(style, WholeMixer)}
+
+
+def _attention_plan(attn: str, first_attention: nn.Module, gather: ParallelStyle, head_parameters: tuple[str, ...],
+                    names) -> dict[str, ParallelStyle]:
+    """The entries for the attention at pattern `attn`, shaped like `first_attention`: heads over the tp ranks."""
+    plan: dict[str, ParallelStyle] = {
         attn: Styles(gather, HeadShardedParameters(head_parameters)) if head_parameters else gather,
         f"{attn}.{names.o}": _rowwise_to_sequence(),
-    })
+    }
     if _is_latent(first_attention):
         per_head = [p for p in (names.q, *MLA_PER_HEAD) if getattr(first_attention, p, None) is not None]
         plan.update({f"{attn}.{p}": PartialGradColwise() for p in per_head if p != names.q})
@@ -519,6 +556,40 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
             plan[f"{attn}.{q_norm}"] = plan[f"{attn}.{k_norm}"] = qk_norm
     plan.update({f"{attn}.{gate}": ColwiseParallel() for gate in ATTENTION_GATES
                  if isinstance(getattr(first_attention, gate, None), nn.Linear)})
+    return plan
+
+
+def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) -> dict[str, ParallelStyle]:
+    """One plan for every family, addressed by the family's module names (moeflow.parallel.adapter)."""
+    names = adapter.names
+    if adapter.is_mla and adapter.family == "moeflow":  # no plan for moeflow's own latent attention yet
+        raise ValueError(MLA_TP_UNSUPPORTED)
+    layers = {str(k): block for k, block in adapter.blocks().items() if not str(k).startswith("mtp.")}
+    head_parameters, whole = _attention_parts(model, layers, names)
+    carried = whole and len(whole) < len(layers) and _carries_state(model)
+    for key, why in whole.items():
+        # the one token mixer of the layer runs whole (on every tp rank); moeflow's own attention always fits the
+        # plan (unless changed), a layer with more parts than that has no built-in plan, and neither have whole
+        # and sharded layers that hand each other more than the hidden states (say, an indexer's selection)
+        if adapter.family == "moeflow" or len(token_mixers(layers[key], names)) != 1 or carried:
+            raise ValueError(why)
+    block = f"{names.layers}.*"
+    gather = _attention_gather(names)
+    plan: dict[str, ParallelStyle] = {}
+    if _module(model, names.embedding) is not None:
+        plan[names.embedding] = _embedding_style()
+    plan.update({f"{block}.{norm}": SequenceParallel() for norm in _block_norms(layers, names)})
+    sharded = [key for key in layers if key not in whole]
+    # A layer whose token mixer the plan cannot shard (a linear attention, a Mamba mixer, an attention with a
+    # sparse-attention indexer) runs that mixer whole on every tp rank, on the all-gathered sequence.
+    for key in whole:
+        plan.update({f"{names.layers}.{key}.{name}": WholeMixer() for name in token_mixers(layers[key], names)})
+    if sharded:
+        first_attention = getattr(layers[sharded[0]], names.attention)
+        attns = ([f"{names.layers}.*.{names.attention}"] if not whole else
+                 [f"{names.layers}.{key}.{names.attention}" for key in sharded])
+        for attn in attns:
+            plan.update(_attention_plan(attn, first_attention, gather, head_parameters, names))
 
     def ffn_kind(layer):
         name, ffn = ffn_of(layer, names) or (names.ffn, None)

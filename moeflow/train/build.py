@@ -145,6 +145,10 @@ def build(cfg: JobConfig, info: DistInfo, dims: ParallelDims, batch: BatchSplit)
     data = build_data(cfg, info.is_main)  # before the model: bad input is reported before anything large exists
     par, optimizer, bytes_read = build_model(cfg, info.device, dims, batch)
     sampler, val = data.sampler(cfg, par.dp_rank, dims.dp), data.val
+    if par.tp_whole and info.is_main:
+        kinds = ", ".join(sorted({type(m).__name__ for m in par.tp_whole.values()}))
+        print(f"note: parallel.tp = {dims.tp}: {len(par.tp_whole)} token mixer(s) ({kinds}) have no tensor-parallel "
+              f"plan and run whole on every tp rank; the rest of their layers is tensor-parallel")
     if dims.pp > 1 and val and any(b.inputs.shape[0] != t.global_batch for b in val):
         # a pipeline evaluates in the training step's micro-batch shape (its receive buffers are sized for it)
         val = [b for b in val if b.inputs.shape[0] == t.global_batch]

@@ -138,23 +138,41 @@ def test_what_is_not_supported_is_one_line_before_any_rank(folder, tmp_path, cha
     assert_one_line(lambda: load_config(None, _overrides(folder, tmp_path / "r", **changes)).layout(2), message)
 
 
-def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_path):
-    """A sparse-attention indexer and a Mamba mixer are parts the plan cannot place: each refused before any
-    rank, found from the architecture's modules on the meta device."""
+def _tiny_folder(arch: str, path):
     from tests.support.hf_tiny import tiny_model
 
-    for arch, why in (("deepseek_v32", "an attention submodule the built-in tensor-parallel plan does not place; "
-                                       "layer 0's self_attn.indexer"),
-                      ("jamba", "an attention without q_proj/k_proj/v_proj/o_proj \\(or latent attention's "
-                                "kv_a_proj_with_mqa/kv_b_proj\\) has no built-in tensor-parallel plan; layer 1 has "
-                                "none")):
-        folder = tmp_path / arch
-        tiny_model(arch, seed=0).save_pretrained(folder)
-        data = folder / "tokens.bin"
-        np.random.default_rng(0).integers(0, V, 2000).astype(np.uint16).tofile(data)
+    tiny_model(arch, seed=0).save_pretrained(path)
+    np.random.default_rng(0).integers(0, V, 2000).astype(np.uint16).tofile(path / "tokens.bin")
+    return path
+
+
+def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_path):
+    """An FFN the plan has no names for (Jamba's feed_forward), and a layer whose attention would run whole among
+    sharded ones that hand it their indexer's selection (Kolibri): each refused before any rank, found from the
+    architecture's modules on the meta device."""
+    for arch, why in (("jamba", "an FFN that is neither a gate_proj/up_proj/down_proj MLP nor an MoE block"),
+                      ("kolibri1_1", "an attention without q_proj/k_proj/v_proj/o_proj \\(or latent attention's "
+                                     "kv_a_proj_with_mqa/kv_b_proj\\) has no built-in tensor-parallel plan; layer 3's "
+                                     "is Kolibri1_1Attention")):
+        folder = _tiny_folder(arch, tmp_path / arch)
         overrides = {**_overrides(folder, tmp_path / "r"), "parallel.tp": 2}
         assert_one_line(lambda o=overrides: load_config(None, o).layout(2),
                         rf"parallel.tp = 2 for \w+ForCausalLM on transformers' own modules: .*{why}")
+
+
+def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_parallelism(tmp_path, capfd):
+    """Qwen3-Next's linear-attention layers (GatedDeltaNet) have no tensor-parallel plan: they run whole on every
+    tp rank while its full-attention layers and MoE stay tensor-parallel; tp=2 trains the one-process losses and
+    gradient norms, and rank 0 says which mixers run whole."""
+    from tests.parallel.layout_worker import launch
+
+    folder = _tiny_folder("qwen3_next", tmp_path / "qwen3_next")
+    train(load_config(None, _overrides(folder, tmp_path / "one")), fresh=True, progress=False)
+    argv = [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / "tp2", **{"parallel.tp": 2}).items()]
+    results = launch(2, [("tp2", argv, str(tmp_path / "tp2"), False)])
+    assert results == {"tp2": "ok"}, results
+    np.testing.assert_allclose(np.array(steps(tmp_path / "tp2")), np.array(steps(tmp_path / "one")), rtol=REL)
+    assert "token mixer(s) (Qwen3NextGatedDeltaNet) have no tensor-parallel plan" in capfd.readouterr().out
 
 
 def test_pipeline_splits_it_cannot_make_are_named(folder):
