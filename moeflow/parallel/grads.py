@@ -30,28 +30,35 @@ def _spans_tp(mesh, tp_ranks: list[int], cache: dict) -> bool:
 
 def reduce_tp_partial_grads(state: ParallelState) -> None:
     """Sum over the tp ranks the gradients that are partial there (the folded MoE's router, each tp rank's from
-    its own tokens; FSDP's reduce-scatter sums the shared experts'), in one flat all-reduce; a no-op otherwise.
-    Once per step: a gradient already summed (same tensor, same version) is not summed again, so calling it
-    twice is safe."""
+    its own tokens; FSDP's reduce-scatter sums the shared experts'), and average those of the token mixers that
+    run whole on every tp rank (the same gradient on each, up to the summation order of a GPU kernel's backward:
+    averaged, their copies cannot drift apart), in one flat all-reduce; a no-op otherwise. Once per step: a
+    gradient already reduced (same tensor, same version) is not reduced again, so calling it twice is safe."""
     done = state.tp_reduced
 
-    def summed(p) -> bool:  # this very gradient tensor, unchanged since it was summed (an id could be reused)
+    def reduced(p) -> bool:  # this very gradient tensor, unchanged since it was reduced (an id could be reused)
         ref, version = done.get(id(p), (None, None))
         return ref is not None and ref() is p.grad and version == p.grad._version
 
-    grads = [p.grad for p in state.tp_partial if p.grad is not None and not summed(p)]
-    if not grads or state.tp_mesh is None:
+    if state.tp_mesh is None:
         return
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    tp = state.tp_mesh.size()
+    scaled = [(p, 1.0) for p in state.tp_partial]
+    scaled += [(p, 1.0 / tp) for mixer in state.tp_whole.values() for p in mixer.parameters()]
+    pending = [(p, scale) for p, scale in scaled if p.grad is not None and not reduced(p)]
+    if not pending:
+        return
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p, _ in pending]
     flat = torch.cat([g.reshape(-1) for g in local])
     dist.all_reduce(flat, group=state.tp_mesh.get_group())
     offset = 0
-    for g in local:
+    for (_, scale), g in zip(pending, local):
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        if scale != 1.0:
+            g.mul_(scale)
         offset += g.numel()
-    for p in state.tp_partial:
-        if p.grad is not None:
-            done[id(p)] = (weakref.ref(p.grad), p.grad._version)
+    for p, _ in pending:
+        done[id(p)] = (weakref.ref(p.grad), p.grad._version)
 
 
 def grad_norm_sq_local(model: nn.Module, tp_mesh=None, distinct_over_tp: set[int] | None = None) -> torch.Tensor:

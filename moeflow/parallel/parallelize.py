@@ -116,7 +116,8 @@ def tensor_parallel(b: _Build) -> None:
 
         b.state.tp_mesh = submesh(b.state.mesh, "tp")
         for stage in b.stages:
-            plan = b.options.tp_plan or tp_plan(stage, fold_experts=b.dims.fold_experts)
+            plan = (b.options.tp_plan if b.options.tp_plan is not None else
+                    tp_plan(stage, fold_experts=b.dims.fold_experts))
             b.state.tp_whole.update(whole_mixers(stage, plan))
             apply_tensor_parallel(stage, b.state.tp_mesh, plan=plan, fold_experts=b.dims.fold_experts)
 

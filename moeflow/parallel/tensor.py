@@ -125,7 +125,8 @@ class ReplicatedModule(ParallelStyle):
 class WholeMixer(ReplicatedModule):
     """ReplicatedModule for a layer's token mixer that the built-in plan cannot shard (a linear attention, a Mamba
     mixer, an attention with a sparse-attention indexer): the layer's FFN and the other layers' attention stay
-    tensor-parallel; this mixer's parameters are replicated over tp, their gradients the same on every tp rank."""
+    tensor-parallel; this mixer's parameters are replicated over tp, their gradients averaged over the tp ranks
+    after backward (moeflow.parallel.grads: the same on every rank, but for a GPU kernel's summation order)."""
 
     def __repr__(self) -> str:
         return "WholeMixer()"
@@ -532,7 +533,8 @@ def _carries_state(model: nn.Module) -> bool:
 
 def whole_mixers(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, nn.Module]:
     """{fqn: module} of the token mixers `plan` runs whole on every tp rank (WholeMixer)."""
-    return {fqn: model.get_submodule(fqn) for fqn, style in plan.items() if isinstance(style, WholeMixer)}
+    patterns = [pattern for pattern, style in plan.items() if isinstance(style, WholeMixer)]
+    return {fqn: m for fqn, m in model.named_modules() if any(_pattern_matches(p, fqn) for p in patterns)}
 
 
 def _attention_plan(attn: str, first_attention: nn.Module, gather: ParallelStyle, head_parameters: tuple[str, ...],
@@ -639,8 +641,9 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
 
 def tp_plan(model: nn.Module, *, loss_parallel: bool = True, fold_experts: bool = False) -> dict[str, ParallelStyle]:
     """The built-in plan for a moeflow Transformer (or a pipeline stage of one) or a Hugging Face decoder LM
-    (attention with q/k/v/o projections, gate/up/down MLPs or MoE blocks replaced by moeflow's MoE), one plan under
-    each family's module names (moeflow.parallel.adapter.ModuleNames). ValueError otherwise.
+    (attention with q/k/v/o projections, gate/up/down MLPs or MoE blocks), one plan under each family's module names
+    (moeflow.parallel.adapter.ModuleNames); in a Hugging Face model, a layer's one token mixer the plan cannot
+    shard runs whole on every tp rank (WholeMixer). ValueError otherwise.
 
     loss_parallel: the output head leaves vocab-sharded DTensor logits for tp_loss; else plain full logits.
     fold_experts: MoE layers take this rank's sequence slice (LocalTokens; their experts are spread over the tp

@@ -147,8 +147,9 @@ def build(cfg: JobConfig, info: DistInfo, dims: ParallelDims, batch: BatchSplit)
     sampler, val = data.sampler(cfg, par.dp_rank, dims.dp), data.val
     if par.tp_whole and info.is_main:
         kinds = ", ".join(sorted({type(m).__name__ for m in par.tp_whole.values()}))
-        print(f"note: parallel.tp = {dims.tp}: {len(par.tp_whole)} token mixer(s) ({kinds}) have no tensor-parallel "
-              f"plan and run whole on every tp rank; the rest of their layers is tensor-parallel")
+        where = " of the first pipeline stage" if dims.pp > 1 else ""
+        print(f"note: parallel.tp = {dims.tp}: {len(par.tp_whole)} token mixer(s){where} ({kinds}) have no "
+              f"tensor-parallel plan and run whole on every tp rank; the rest of their layers is tensor-parallel")
     if dims.pp > 1 and val and any(b.inputs.shape[0] != t.global_batch for b in val):
         # a pipeline evaluates in the training step's micro-batch shape (its receive buffers are sized for it)
         val = [b for b in val if b.inputs.shape[0] == t.global_batch]

@@ -45,6 +45,8 @@ def test_world2_tp2():
         ("HF DeepSeek-V3 without a q latent (q_proj column-sharded), tp=2", tp_worker.case_hf_parallelize,
          dict(arch="deepseek_v3-no-q-lora", tp=2)),
         ("parallelize adds no attributes, world 2", tp_worker.case_parallelize_adds_no_attributes, {}),
+        ("HF Qwen3-Next: its linear attention whole on each tp rank, gradients averaged over tp",
+         tp_worker.case_whole_mixer_grads_averaged, {}),
     ]
     check_results(tp_worker.launch(2, cases), cases)
 

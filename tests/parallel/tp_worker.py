@@ -385,6 +385,34 @@ def case_hf_parallelize(arch: str, tp: int = 1, ep: int = 1, ep_over_tp: bool = 
         assert_rel(f"{name} after {steps} AdamW steps", p, want)
 
 
+def case_whole_mixer_grads_averaged():
+    """Qwen3-Next's linear attention has no tensor-parallel plan: it runs whole on each tp rank (state.tp_whole),
+    its parameters plain (not sharded over tp), and after backward its gradients are averaged over the tp ranks,
+    so copies that a GPU kernel's summation order set apart are made one (here: set apart by hand)."""
+    from torch.distributed.tensor import DTensor
+
+    import moeflow
+    from moeflow.parallel.grads import reduce_tp_partial_grads
+    from moeflow.parallel.loss import tp_loss
+    from tests.support.hf_tiny import tiny_model
+
+    model = tiny_model("qwen3_next", seed=0)
+    state = moeflow.parallelize(model, moeflow.ParallelDims(dist.get_world_size(), tp=2))
+    assert list(state.tp_whole) == ["model.layers.0.linear_attn"], list(state.tp_whole)
+    mixer = state.tp_whole["model.layers.0.linear_attn"]
+    tokens, targets = batch(model.config.vocab_size, B=2, S=8)
+    tp_loss(logits_of(state.model, tokens), targets).backward()
+    p = next(mixer.parameters())
+    assert not isinstance(p, DTensor) or all(d != "tp" for d in p.device_mesh.mesh_dim_names), p.device_mesh
+    local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+    same = local.clone()
+    local.add_(float(dist.get_rank()))  # rank 0: g, rank 1: g + 1
+    reduce_tp_partial_grads(state)
+    torch.testing.assert_close(local, same + 0.5)
+    reduce_tp_partial_grads(state)  # once per step: a second call changes nothing
+    torch.testing.assert_close(local, same + 0.5)
+
+
 def case_loss():
     """tp_loss on vocab-sharded logits (uneven shards, ignore_index, every reduction) vs F.cross_entropy."""
     import torch.nn.functional as F
