@@ -497,14 +497,15 @@ def expert_matmuls(x_ND, counts_E, w1_EDF, w3_EDF, w2_EFD, impl: str, lora: tupl
         # output (slicing one [N, 2F] product would cost its backward a zero-filled [N, 2F] per half), in place:
         # a grouped matmul's backward does not read its output, and a fresh [N, F] per sum is a page-faulting copy
         scale, gate_up_A, gate_up_B, down_A, down_B = (lora[0], *(w.to(dtype) for w in lora[1:]))
+        # factors are small: each made contiguous as [E, in, out] once (a strided operand slows the grouped matmul)
         width = h1_NF.shape[1]
-        xA_Nr = scale * mm(x_ND, gate_up_A.mT)
-        h1_NF.add_(mm(xA_Nr, gate_up_B[:, :width].mT))
-        h3_NF.add_(mm(xA_Nr, gate_up_B[:, width:].mT))
+        xA_Nr = scale * mm(x_ND, gate_up_A.mT.contiguous())
+        h1_NF.add_(mm(xA_Nr, gate_up_B[:, :width].mT.contiguous()))
+        h3_NF.add_(mm(xA_Nr, gate_up_B[:, width:].mT.contiguous()))
     h_NF = _swiglu(h1_NF, h3_NF)
     y_ND = mm(h_NF, w2_EFD)
     if lora:
-        y_ND.add_(mm(scale * mm(h_NF, down_A.mT), down_B.mT))
+        y_ND.add_(mm(scale * mm(h_NF, down_A.mT.contiguous()), down_B.mT.contiguous()))
     if impl == "grouped_mm" and y_ND.requires_grad:  # grouped_mm's backward rejects a stride-0 gradient (y.sum())
         y_ND.register_hook(lambda g: g.contiguous())
     return y_ND
