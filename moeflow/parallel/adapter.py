@@ -15,7 +15,7 @@ A new family is a new adapter: the steps of parallelize and the plan in moeflow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -146,7 +146,6 @@ class HuggingFaceAdapter(ModelAdapter):
     layers swapped in (moeflow.models.hf_live), tensor parallelism by the same plan under its module names."""
 
     family = "huggingface"
-    names = HF_NAMES
     supports_pp = True  # one stage per rank (moeflow.parallel.hf_pipeline)
     supports_cp = True  # through transformers' attention interface (moeflow.parallel.hf_context)
 
@@ -158,6 +157,17 @@ class HuggingFaceAdapter(ModelAdapter):
     @property
     def is_mla(self) -> bool:
         return bool(getattr(self.hf_config, "kv_lora_rank", None))
+
+    @property
+    def names(self) -> ModuleNames:
+        """transformers' module names; the final norm by its place where a family names it otherwise (Jamba's
+        final_layernorm): the base model's last child whose class is a norm."""
+        base = getattr(self.model, "model", None)
+        norms = [name for name, child in (base.named_children() if base is not None else ())
+                 if type(child).__name__.lower().endswith("norm")]
+        if norms and norms[-1] != "norm":
+            return replace(HF_NAMES, final_norm=f"model.{norms[-1]}")
+        return HF_NAMES
 
     def blocks(self) -> dict[str, nn.Module]:
         from moeflow.parallel.hf_pipeline import is_skipped

@@ -299,11 +299,14 @@ def _is_moe(module: nn.Module) -> bool:
 
 def ffn_of(block: nn.Module, names) -> tuple[str, nn.Module] | None:
     """(name, module) of a block's FFN: its `names.ffn` child, else the child holding an MoE (transformers names
-    some sparse MoE blocks otherwise: granitemoe's block_sparse_moe); None when it has neither."""
+    some sparse MoE blocks otherwise: granitemoe's block_sparse_moe), else a child with the gate/up/down
+    projections (Jamba's feed_forward); None when it has none of these."""
     ffn = getattr(block, names.ffn, None)
     if ffn is not None:
         return names.ffn, ffn
-    return next(((name, child) for name, child in block.named_children() if _is_moe(child)), None)
+    named = (lambda child: _is_moe(child),  # noqa: E731
+             lambda child: all(hasattr(child, p) for p in (names.gate, names.up, names.down)))  # Jamba's feed_forward
+    return next(((name, child) for found in named for name, child in block.named_children() if found(child)), None)
 
 
 def _is_mlp(module: nn.Module) -> bool:

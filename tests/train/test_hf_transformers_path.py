@@ -147,10 +147,11 @@ def _tiny_folder(arch: str, path):
 
 
 def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_path):
-    """An FFN the plan has no names for (Jamba's feed_forward), and a layer whose attention would run whole among
-    sharded ones that hand it their indexer's selection (Kolibri): each refused before any rank, found from the
-    architecture's modules on the meta device."""
-    for arch, why in (("jamba", "an FFN that is neither a gate_proj/up_proj/down_proj MLP nor an MoE block"),
+    """A layer with two parts the plan cannot split (LFM2's short convolution beside an MLP it has no names for),
+    and a layer whose attention would run whole among sharded ones that hand it their indexer's selection
+    (Kolibri): each refused before any rank, found from the architecture's modules on the meta device."""
+    for arch, why in (("lfm2_moe", "an attention without q_proj/k_proj/v_proj/o_proj .* layer 0 has none \\(its parts: "
+                                   "conv, feed_forward, operator_norm, ffn_norm\\)"),
                       ("kolibri1_1", "an attention without q_proj/k_proj/v_proj/o_proj \\(or latent attention's "
                                      "kv_a_proj_with_mqa/kv_b_proj\\) has no built-in tensor-parallel plan; layer 3's "
                                      "is Kolibri1_1Attention")):
