@@ -74,7 +74,7 @@ def eval_batches(job, batch_size: int, max_batches: int):
 
     d = job.data
     if not uses_cache(job):
-        source = TokenWindows(_stream_tokens(job), d.seq_len)
+        source = TokenWindows(_stream_tokens(job)[0], d.seq_len)
     else:
         cache = open_cache(prepare(job))
         if d.format == "text" and not d.packing:

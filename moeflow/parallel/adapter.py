@@ -24,6 +24,11 @@ from moeflow.core.parallel_dims import ParallelDims
 from moeflow.models.moe import MoE
 
 
+def is_norm(module: nn.Module) -> bool:
+    """A normalisation layer, by its class's name (RMSNorm, LayerNorm, Qwen3MoeRMSNorm, ...: no common base)."""
+    return type(module).__name__.lower().endswith("norm")
+
+
 @dataclass(frozen=True)
 class ModuleNames:
     """A family's module names, as the tensor-parallel plan addresses them (dotted paths from the model; a block's
@@ -163,8 +168,7 @@ class HuggingFaceAdapter(ModelAdapter):
         """transformers' module names; the final norm by its place where a family names it otherwise (Jamba's
         final_layernorm): the base model's last child whose class is a norm."""
         base = getattr(self.model, "model", None)
-        norms = [name for name, child in (base.named_children() if base is not None else ())
-                 if type(child).__name__.lower().endswith("norm")]
+        norms = [name for name, child in (base.named_children() if base is not None else ()) if is_norm(child)]
         if norms and norms[-1] != "norm":
             return replace(HF_NAMES, final_norm=f"model.{norms[-1]}")
         return HF_NAMES

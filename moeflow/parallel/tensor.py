@@ -65,6 +65,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from moeflow.core.parallel_dims import MLA_TP_UNSUPPORTED
+from moeflow.parallel.adapter import is_norm
 
 HOW_TO_PASS_A_PLAN = (
     "pass a plan: parallelize(model, dims, ParallelOptions(tp_plan={'<fqn pattern>': ColwiseParallel(), ...})) "
@@ -304,7 +305,7 @@ def ffn_of(block: nn.Module, names) -> tuple[str, nn.Module] | None:
     ffn = getattr(block, names.ffn, None)
     if ffn is not None:
         return names.ffn, ffn
-    named = (lambda child: _is_moe(child),  # noqa: E731
+    named = (_is_moe,
              lambda child: all(hasattr(child, p) for p in (names.gate, names.up, names.down)))  # Jamba's feed_forward
     return next(((name, child) for found in named for name, child in block.named_children() if found(child)), None)
 
@@ -481,12 +482,7 @@ def token_mixers(block: nn.Module, names) -> list[str]:
     found = ffn_of(block, names)
     skip = {found[0] if found else names.ffn, *beside_moe(block, names)}
     return [name for name, child in block.named_children()
-            if name not in skip and not _is_norm(child) and any(True for _ in child.parameters())]
-
-
-def _is_norm(module: nn.Module) -> bool:
-    """A normalisation layer, by its class's name (RMSNorm, LayerNorm, Qwen3MoeRMSNorm, ...: no common base)."""
-    return type(module).__name__.lower().endswith("norm")
+            if name not in skip and not is_norm(child) and any(True for _ in child.parameters())]
 
 
 def _block_norms(layers: dict[str, nn.Module], names) -> list[str]:
@@ -496,7 +492,7 @@ def _block_norms(layers: dict[str, nn.Module], names) -> list[str]:
     found: dict[str, None] = {}
     for block in layers.values():
         for name, child in block.named_children():
-            if name not in (names.attention, names.ffn) and _is_norm(child):
+            if name not in (names.attention, names.ffn) and is_norm(child):
                 found[name] = None
     return list(found)
 

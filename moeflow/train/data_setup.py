@@ -190,13 +190,12 @@ def build_data(cfg: JobConfig, is_main: bool = True) -> Data:
                    "tokens": int(docs.offsets[-1])}
         return _document_rows(cfg, docs, summary)
     if not uses_cache(cfg):
-        tokens = _stream_tokens(cfg)
-        train, val = split_tokens(tokens, d.val_fraction, d.seq_len)
+        tokens, index = _stream_tokens(cfg)
         summary = {}
-        if prefix is not None:  # its index counts the documents, also where the run reads one token stream
-            documents = len(megatron.read_index(Path(f"{prefix}.idx")).document_indices) - 1
-            summary = {"format": "megatron", "packing": False, "cache": str(prefix), "records": documents,
-                       "tokens": int(len(tokens))}
+        if index is not None:  # it counts the documents, also where the run reads one token stream
+            summary = {"format": "megatron", "packing": False, "cache": str(prefix),
+                       "records": len(index.document_indices) - 1, "tokens": int(len(tokens))}
+        train, val = split_tokens(tokens, d.val_fraction, d.seq_len)
         return Data(train, val_batches(val, d.seq_len, t.global_batch, cfg.eval.batches), summary)
     folder, fingerprint = _prepare_on_rank0(cfg, is_main)
     cache = open_cache(folder, fingerprint, "the token cache")
@@ -264,15 +263,16 @@ def _blend(cfg: JobConfig, is_main: bool) -> Data:
     return Data(None, val, {"format": cfg.data.format, "packing": cfg.data.packing, "sources": summaries}, sources)
 
 
-def _stream_tokens(cfg: JobConfig) -> np.ndarray:
+def _stream_tokens(cfg: JobConfig) -> tuple[np.ndarray, megatron.MegatronIndex | None]:
+    """(the source's tokens as one stream, the Megatron index where the source is a Megatron dataset)."""
     d = cfg.data
     prefix = megatron_prefix(d.source)
     if prefix is not None:
-        return megatron.load(prefix, cfg.model.vocab_size)[0]
+        return megatron.load(prefix, cfg.model.vocab_size)
     pretokenized = d.source.endswith(".bin")  # ids already; load_tokens checks them against the vocabulary
     tokenizer = None
     if not pretokenized:
         tokenizer = load_tokenizer(_tokenizer_spec(cfg), None if d.source == "stdlib" else d.source)
         _check_vocab(tokenizer.vocab_size, cfg)
     return load_tokens(d.source, tokenizer, token_dtype=d.token_dtype, vocab_size=cfg.model.vocab_size,
-                       max_bytes=d.max_bytes)
+                       max_bytes=d.max_bytes), None
