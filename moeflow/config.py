@@ -114,7 +114,8 @@ class TrainingConfig:
     """'adamw', or 'muon': Muon (orthogonalised momentum, torch.optim.Muon's update) on every matrix of the
     blocks - attention and MLP projections, each expert's matrices, MLA's projections - and AdamW (its betas,
     training.muon_adamw_lr) on the embedding, the output head, norms, biases and the routers' gates, as Moonlight's
-    recipe. Every layout: each matrix is orthogonalised whole, by one rank."""
+    recipe. Every layout: each matrix is orthogonalised whole, by one rank. With peft.method = 'lora' the trainable
+    matrices are the adapters' factors: Muon takes each of them (an expert's A and B one matrix each)."""
     muon_momentum: float = 0.95
     """Muon's momentum."""
     muon_nesterov: bool = True
@@ -467,9 +468,6 @@ class JobConfig:
         if t.fp8 != "none":
             raise ValueError(f"training.optimizer = 'muon' with training.fp8 = {t.fp8!r}: FP8 weights are not "
                              f"orthogonalised yet; use training.fp8 = 'none' or training.optimizer = 'adamw'")
-        if self.peft.method != "none":
-            raise ValueError("training.optimizer = 'muon' with peft.method = 'lora' is not supported yet; use "
-                             "training.optimizer = 'adamw' for a LoRA run")
         self._validate_muon_clip()
 
     def _validate_muon_clip(self) -> None:
@@ -483,7 +481,9 @@ class JobConfig:
                f"model.qk_norm = {m.qk_norm!r} renormalises the queries a clip would scale" if m.qk_norm != "none"
                else "context parallelism splits the keys each head's largest logit needs" if self.parallel.cp > 1
                else "the multi-token-prediction blocks' attention is not clipped yet" if m.mtp_depth
-               else "compiled blocks do not record the logits" if t.compile else None)
+               else "compiled blocks do not record the logits" if t.compile
+               else "a LoRA run keeps the query projections it would scale frozen" if self.peft.method != "none"
+               else None)
         if why:
             raise ValueError(f"training.muon_clip = {t.muon_clip} for this run: {why}; drop training.muon_clip (Muon "
                              f"runs without the clip)")

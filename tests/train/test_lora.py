@@ -157,27 +157,82 @@ LAYOUTS = {"ep2": {"parallel.ep": 2}, "tp2": {"parallel.tp": 2}, "stop": {"paral
            "cp2": {"parallel.cp": 2}, "ep2-recompute": {"parallel.ep": 2, "training.activation_checkpointing": "full"}}
 
 
-@pytest.mark.parametrize("names", [
-    pytest.param(["stop", "ep2", "tp2", "dp2-zero3", "dp2-zero1", "pp2", "cp2", "ep2-recompute"],
+@pytest.mark.parametrize("optimizer, names", [
+    pytest.param("adamw", ["stop", "ep2", "tp2", "dp2-zero3", "dp2-zero1", "pp2", "cp2", "ep2-recompute"],
                  marks=pytest.mark.slow),  # 'stop': ep=2 resumed in one process (the expert factors resharded)
-], ids=["every-layout"])
-def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_path, names):
+    pytest.param("muon", ["stop", "ep2", "tp2", "dp2-zero3", "pp2"], marks=pytest.mark.slow),
+], ids=["every-layout", "muon"])
+def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_path, optimizer, names):
     """Each layout's LoRA run (2 ranks) trains the one-process losses and gradient norms; 'stop' is ep=2 stopped at
-    step 2 and resumed in one process; then --fresh on it starts the adapters again on the same base."""
+    step 2 and resumed in one process; then --fresh on it starts the adapters again on the same base. Under Muon
+    each factor matrix is orthogonalised whole wherever its shards lie."""
     from tests.parallel.layout_worker import launch
 
-    train(load_config(None, _overrides(folder, tmp_path / "one")), fresh=True, progress=False)
-    argv = lambda run, **more: [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / run, **more).items()]
+    def config(run, **more):
+        return _overrides(folder, tmp_path / run, **{"training.optimizer": optimizer, **more})
+
+    train(load_config(None, config("one")), fresh=True, progress=False)
+    argv = lambda run, **more: [f"--{k}={v}" for k, v in config(run, **more).items()]
     results = launch(2, [(n, argv(n, **LAYOUTS[n]), str(tmp_path / n), False) for n in names])
     assert set(results.values()) == {"ok"}, results
     want = np.array(steps(tmp_path / "one"))
     if "stop" in names:
-        train(load_config(None, _overrides(folder, tmp_path / "stop")), resume=True, progress=False)  # 1 process
+        train(load_config(None, config("stop")), resume=True, progress=False)  # 1 process
     for run in results:
         np.testing.assert_allclose(np.array(steps(tmp_path / run)), want, rtol=REL, err_msg=run)
     if "stop" in names:
-        train(load_config(None, _overrides(folder, tmp_path / "stop")), fresh=True, progress=False)
+        train(load_config(None, config("stop")), fresh=True, progress=False)
         np.testing.assert_allclose(np.array(steps(tmp_path / "stop")), want, rtol=REL)
+
+
+def test_muon_orthogonalises_the_adapters_only_and_resumes_exactly(folder, tmp_path):
+    """training.optimizer = 'muon' on a LoRA run: every factor (2-D, or 3-D for the experts: a matrix per expert)
+    is Muon's and steps as torch.optim.Muon on it, the frozen base gets no state and stays bit-identical; a run
+    stopped at step 2 resumes with the straight run's losses (the momentum is in the adapter's checkpoint) and
+    writes an adapter PeftModel loads with moeflow's loss."""
+    from moeflow.generate import load_model
+    from moeflow.train.build import build
+    from moeflow.train.distributed import DistInfo
+    from moeflow.train.step import train_step
+
+    muon = {"training.optimizer": "muon"}
+    cfg = load_config(None, _overrides(folder, tmp_path / "probe", **muon))
+    s = build(cfg, DistInfo(0, 1, 0, torch.device("cpu")), *cfg.layout(1))
+    named = dict(s.model.named_parameters())
+    factors = {n: p for n, p in named.items() if lora.is_factor(n)}
+    [group] = [g for g in s.optimizer.param_groups if g["muon"]]
+    assert {id(p) for p in group["params"]} == {id(p) for p in factors.values()}
+    before = {n: p.detach().clone() for n, p in named.items()}
+    seen = []  # each step's (learning rate, gradients), as the optimizer gets them
+    step = s.optimizer.step
+    s.optimizer.step = lambda: seen.append((group["lr"], {n: p.grad.clone() for n, p in factors.items()})) or step()
+    for _ in range(2):
+        train_step(cfg, s, with_moe_stats=False, measure=False, per_rank=lambda: {"peak_memory_mb": 0.0})
+    assert all(torch.equal(p, before[n]) for n, p in named.items() if n not in factors)
+    assert {id(p) for p in s.optimizer.state} == {id(p) for p in factors.values()}
+    for n, p in factors.items():  # torch.optim.Muon on each of the factor's matrices, fed the run's gradients
+        ref = [torch.nn.Parameter(m.clone()) for m in (before[n].unbind(0) if p.ndim == 3 else [before[n]])]
+        opt = torch.optim.Muon(ref, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay,
+                               momentum=cfg.training.muon_momentum, adjust_lr_fn="match_rms_adamw")
+        for lr, g in seen:
+            for q, m in zip(ref, g[n].unbind(0) if p.ndim == 3 else [g[n]]):
+                q.grad = m.clone()
+            opt.param_groups[0]["lr"] = lr
+            opt.step()
+        want = torch.stack([q.detach() for q in ref]) if p.ndim == 3 else ref[0].detach()
+        moved = (want - before[n]).norm()
+        assert moved > 0 and (p.detach() - want).norm() <= 1e-3 * moved, (n, float((p.detach() - want).norm() / moved))
+
+    train(load_config(None, _overrides(folder, tmp_path / "straight", **muon)), progress=False)
+    train(load_config(None, _overrides(folder, tmp_path / "split", **muon, **{"training.stop_at": 2})),
+          progress=False)
+    train(load_config(None, _overrides(folder, tmp_path / "split", **muon)), resume=True, progress=False)
+    assert steps(tmp_path / "split") == steps(tmp_path / "straight")
+    ids = torch.from_numpy(np.fromfile(folder / "tokens.bin", dtype=np.uint16)[:33].astype(np.int64))[None]
+    ours, *_ = load_model(str(tmp_path / "split"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "split" / "adapter").eval()
+    assert next_token_loss(theirs, ids) == pytest.approx(next_token_loss(ours, ids), rel=REL)
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -159,7 +159,8 @@ def test_layouts_train_the_one_process_muon_run(tmp_path, names):
     ({"training.fp8": "tensorwise"}, 1, r"training.optimizer = 'muon' with training.fp8 = 'tensorwise'"),
     ({"training.muon_momentum": 1.0}, 1, r"training.muon_momentum = 1.0; use a value in \[0, 1\)"),
     ({"training.muon_adjust_lr": "rms"}, 1, r"training.muon_adjust_lr"),
-    ({"peft.method": "lora"}, 1, r"training.optimizer = 'muon' with peft.method = 'lora' is not supported yet"),
+    ({"peft.method": "lora", "training.muon_clip": 100.0}, 1,
+     r"training.muon_clip = 100.0 for this run: a LoRA run keeps the query projections it would scale frozen"),
 ])
 def test_what_is_not_supported_is_one_line(tmp_path, changes, world, message):
     assert_one_line(lambda: load_config(None, _overrides(tmp_path, **changes)).layout(world), message)
