@@ -5,18 +5,18 @@ step, on 1 process, 2 gloo ranks (dp_shard, ep, tp) and 4 (dp_shard, ep), each o
     .venv/bin/python bench/optim.py --out bench/results  # the committed figures
     .venv/bin/python bench/optim.py --quick              # 3 repeats: a smoke run
 
-Each case builds tiny-moe (fp32, one thread per rank) with moeflow.parallelize, a fixed batch per rank
-(4 x 128 tokens), and the trainer's optimizer of each kind (moeflow/train/build.py: AdamW over every parameter,
-or Muon over the block matrices and each expert matrix with AdamW for the rest); the two alternate, step by
-step, and the median of the slowest rank counts. Reported per case and optimizer: the training step (forward,
-backward, optimizer) and the optimizer step alone, in ms; for Muon also the time spent in Newton-Schulz (timed by
-wrapping moeflow.train.muon.newton_schulz) and the number of matrices each rank orthogonalised, summed over the
-ranks against the matrices of the model (each once: no matrix twice), and the bytes one rank's Muon step sends
-(counted from its collectives' tensors, ring volumes: tests/support/collective_bytes.py) against moeflow plan's
-prediction for the layout (moeflow.plan.optimizer). Muon runs twice: with the sharded matrices' scheme the
-trainer uses (each matrix's shards to one owner rank and its result back, two all-to-alls: `muon`) and with the
-one it replaced (every shard to every rank, the results summed: `muon-gather`), which chose it. Target (issue):
-the Muon step <= 1.15x AdamW's at 1 rank.
+Each case builds tiny-moe (fp32, one thread per rank) with moeflow.parallelize, a fixed batch per rank (4 x 128
+tokens; and 16 x 128 in one process, the default job's step), and the trainer's optimizer of each kind
+(moeflow/train/build.py: AdamW over every parameter, or Muon over the block matrices and each expert matrix with
+AdamW for the rest); the two alternate, step by step, and the median of the slowest rank counts. Reported per case
+and optimizer: the training step (forward, backward, optimizer) and the optimizer step alone, in ms; for Muon also
+the time spent in Newton-Schulz (timed by wrapping moeflow.train.muon.newton_schulz) and the number of matrices each
+rank orthogonalised, summed over the ranks against the matrices of the model (each once: no matrix twice), and the
+bytes one rank's Muon step sends (counted from its collectives' tensors, ring volumes:
+tests/support/collective_bytes.py) against moeflow plan's prediction for the layout (moeflow.plan.optimizer). Muon
+runs twice: with the sharded matrices' scheme the trainer uses (each matrix's shards to one owner rank and its
+result back, two all-to-alls: `muon`) and with the one it replaced (every shard to every rank, the results summed:
+`muon-gather`), which chose it. Target (issue): the Muon step <= 1.15x AdamW's at 1 rank.
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 OPTIMIZERS = ("adamw", "muon", "muon-gather")
 SCHEMES = {"muon-gather": "gather_and_sum"}  # moeflow.train.muon._ShardedMatrices.SCHEME of each Muon run
-CASES = {"1 process": (1, {}), "dp_shard=2": (2, {"parallel.zero": 3}), "ep=2": (2, {"parallel.ep": 2}),
-         "tp=2": (2, {"parallel.tp": 2}), "dp_shard=4": (4, {"parallel.zero": 3}), "ep=4": (4, {"parallel.ep": 4})}
-B, S = 4, 128
+# case -> (ranks, layout, sequences per rank); the last is the default job's step (configs/default.toml: 16 x 128)
+CASES = {"1 process": (1, {}, 4), "dp_shard=2": (2, {"parallel.zero": 3}, 4), "ep=2": (2, {"parallel.ep": 2}, 4),
+         "tp=2": (2, {"parallel.tp": 2}, 4), "dp_shard=4": (4, {"parallel.zero": 3}, 4),
+         "ep=4": (4, {"parallel.ep": 4}, 4), "1 process, 16 x 128": (1, {}, 16)}
+S = 128
 
 
-def _worker(rank: int, world: int, layout: dict, repeats: int, tmp: str) -> None:
+def _worker(rank: int, world: int, layout: dict, B: int, repeats: int, tmp: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -100,16 +102,16 @@ def _worker(rank: int, world: int, layout: dict, repeats: int, tmp: str) -> None
            for name, v in times.items()}
     muon_module._ShardedMatrices.SCHEME = "all_to_all"
     out["muon"].update(ns_s=calls["s"] / repeats / 2, ns_matrices=calls["n"] / repeats / 2, model_matrices=matrices,
-                       **_bytes_against_plan(cfg, dims, runs["muon"], ids))
+                       **_bytes_against_plan(cfg, dims, runs["muon"], ids, B))
     muon_module._ShardedMatrices.SCHEME = SCHEMES["muon-gather"]
-    out["muon-gather"].update(**_bytes_against_plan(cfg, dims, runs["muon-gather"], ids))
+    out["muon-gather"].update(**_bytes_against_plan(cfg, dims, runs["muon-gather"], ids, B))
     muon_module._ShardedMatrices.SCHEME = "all_to_all"
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
     if world > 1:
         dist.destroy_process_group()
 
 
-def _bytes_against_plan(cfg, dims, run, ids) -> dict:
+def _bytes_against_plan(cfg, dims, run, ids, B: int) -> dict:
     """Bytes this rank's Muon step sends (counted from the collectives' tensors) and what moeflow plan predicts
     for the layout (moeflow.plan.optimizer)."""
     from moeflow.core.hardware import get_gpu
@@ -138,15 +140,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     repeats = 3 if args.quick else args.repeats
     rows = []
-    for case, (world, layout) in CASES.items():
+    for case, (world, layout, B) in CASES.items():
         with tempfile.TemporaryDirectory() as tmp:
             if world == 1:
-                _worker(0, 1, layout, repeats, tmp)
+                _worker(0, 1, layout, B, repeats, tmp)
             else:
-                mp.spawn(_worker, args=(world, layout, repeats, tmp), nprocs=world, join=True)
+                mp.spawn(_worker, args=(world, layout, B, repeats, tmp), nprocs=world, join=True)
             ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
         for name in OPTIMIZERS:
-            row = {"case": case, "optimizer": name,
+            row = {"case": case, "optimizer": name, "tokens_per_rank": B * S,
                    "step_ms": 1e3 * max(r[name]["step_s"] for r in ranks),
                    "optim_ms": 1e3 * max(r[name]["optim_s"] for r in ranks)}
             if name == "muon":
@@ -159,8 +161,9 @@ def main(argv=None) -> int:
                            planned_mb=max(r[name]["planned_bytes"] for r in ranks) / 1e6)
             rows.append(row)
     by = {(r["case"], r["optimizer"]): r for r in rows}
-    print(f"\ntiny-moe, fp32, {B} x {S} tokens per rank, medians of {repeats} alternating steps (slowest rank)\n")
-    print(f"{'case':<12} {'optimizer':<11} {'step ms':>8} {'optim ms':>9} {'NS ms':>7} {'matrices NS / model':>20}"
+    print(f"\ntiny-moe, fp32, 4 x {S} tokens per rank unless named, medians of {repeats} alternating steps "
+          f"(slowest rank)\n")
+    print(f"{'case':<20} {'optimizer':<11} {'step ms':>8} {'optim ms':>9} {'NS ms':>7} {'matrices NS / model':>20}"
           f" {'step vs adamw':>14} {'MB sent max / mean / planned':>29}")
     for r in rows:
         ratio = r["step_ms"] / by[(r["case"], "adamw")]["step_ms"]
@@ -169,12 +172,11 @@ def main(argv=None) -> int:
         r["step_vs_adamw"] = ratio
         sent = (f"{r['sent_mb']:.3f} / {r['mean_sent_mb']:.3f} / "
                 f"{r['planned_mb'] if r['optimizer'] == 'muon' else float('nan'):.3f}" if "sent_mb" in r else "-")
-        print(f"{r['case']:<12} {r['optimizer']:<11} {r['step_ms']:>8.1f} {r['optim_ms']:>9.1f} {ns:>7} {mats:>20}"
+        print(f"{r['case']:<20} {r['optimizer']:<11} {r['step_ms']:>8.1f} {r['optim_ms']:>9.1f} {ns:>7} {mats:>20}"
               f" {ratio:>14.2f} {sent:>29}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, "tokens_per_rank": B * S,
-            **_flops()}
+    meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, **_flops()}
     (out / "optim.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     _plot(rows, out / "optim.png")
     print(f"\nwrote {out / 'optim.json'} and optim.png")

@@ -15,55 +15,14 @@ A new family is a new adapter: the steps of parallelize and the plan in moeflow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from torch import nn
 
 from moeflow.core.model_config import ModelConfig
 from moeflow.core.parallel_dims import ParallelDims
 from moeflow.models.moe import MoE
-
-
-def is_norm(module: nn.Module) -> bool:
-    """A normalisation layer, by its class's name (RMSNorm, LayerNorm, Qwen3MoeRMSNorm, ...: no common base)."""
-    return type(module).__name__.lower().endswith("norm")
-
-
-@dataclass(frozen=True)
-class ModuleNames:
-    """A family's module names, as the tensor-parallel plan addresses them (dotted paths from the model; a block's
-    children relative to the block). `attention_input` is how a block hands the attention its hidden states: the
-    first positional argument, or a keyword. `per_head_norm_dim`: the dimension of the heads in the tensors a
-    per-head query/key norm sees ([B, H, S, Dh] -> 1, [B, S, H, Dh] -> 2). A block's own norms need no names: the
-    plan finds them by their class (moeflow.parallel.tensor._block_norms)."""
-
-    embedding: str
-    layers: str
-    attention: str
-    q: str
-    k: str
-    v: str
-    o: str
-    ffn: str
-    gate: str  # the dense MLP's input projections (SwiGLU's gate and up) and its output projection
-    up: str
-    down: str
-    final_norm: str
-    head: str
-    attention_input: str | None  # None: positional; else the keyword's name
-    per_head_norm_dim: int
-
-
-MOEFLOW_NAMES = ModuleNames(
-    embedding="tok_embeddings", layers="layers", attention="attention",
-    q="wq", k="wk", v="wv", o="wo", ffn="feed_forward", gate="w1", up="w3", down="w2",
-    final_norm="norm", head="output", attention_input=None, per_head_norm_dim=1)
-
-HF_NAMES = ModuleNames(
-    embedding="model.embed_tokens", layers="model.layers", attention="self_attn",
-    q="q_proj", k="k_proj", v="v_proj", o="o_proj", ffn="mlp",
-    gate="gate_proj", up="up_proj", down="down_proj", final_norm="model.norm", head="lm_head",
-    attention_input="hidden_states", per_head_norm_dim=2)
+from moeflow.parallel.module_names import HF_NAMES, MOEFLOW_NAMES, ModuleNames, is_norm
 
 
 class ModelAdapter:

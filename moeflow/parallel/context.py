@@ -86,33 +86,38 @@ def _sequence_order(cp: int, C: int, device) -> torch.Tensor:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 2 (the sequence of [B, H, L, D]) in rank order; backward: reduce-scatter (sum),
-    since every rank's queries read every rank's keys."""
+    """All-gather along the sequence dim `dim` (2 of [B, H, L, D], 1 of [B, L, D]) in rank order; backward:
+    reduce-scatter (sum), since every rank's outputs read every rank's tokens."""
 
     @staticmethod
-    def forward(ctx, x_BHLD: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group, dim: int = 2) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
         cp = dist.get_world_size(group)
-        x_LBHD = x_BHLD.movedim(2, 0).contiguous()
-        out_SBHD = x_LBHD.new_empty((cp * x_LBHD.shape[0], *x_LBHD.shape[1:]))
-        all_gather_single(out_SBHD, x_LBHD, group=group)
-        return out_SBHD.movedim(0, 2)
+        x_L = x.movedim(dim, 0).contiguous()
+        out_S = x_L.new_empty((cp * x_L.shape[0], *x_L.shape[1:]))
+        all_gather_single(out_S, x_L, group=group)
+        return out_S.movedim(0, dim)
 
     @staticmethod
-    def backward(ctx, grad_BHSD: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):
         cp = dist.get_world_size(ctx.group)
-        grad_SBHD = grad_BHSD.movedim(2, 0).contiguous()
-        out_LBHD = grad_SBHD.new_empty((grad_SBHD.shape[0] // cp, *grad_SBHD.shape[1:]))
-        reduce_scatter_single(out_LBHD, grad_SBHD, group=ctx.group)
-        return out_LBHD.movedim(0, 2), None
+        grad_S = grad.movedim(ctx.dim, 0).contiguous()
+        out_L = grad_S.new_empty((grad_S.shape[0] // cp, *grad_S.shape[1:]))
+        reduce_scatter_single(out_L, grad_S, group=ctx.group)
+        return out_L.movedim(0, ctx.dim), None, None
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """The whole sequences, in sequence order, of every cp rank's two chunks along `dim` (reduce-scattered in
+    backward)."""
+    cp, C = dist.get_world_size(group), x.shape[dim] // 2
+    return _GatherSequence.apply(x, group, dim).index_select(dim, _sequence_order(cp, C, x.device))
 
 
 def gather_keys_values(k_BHkLDk: torch.Tensor, v_BHkLDv: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole sequence's keys and values, in sequence order, from every cp rank's two chunks: one collective
     (they differ in width under multi-head latent attention: concatenated), reduce-scattered in backward."""
-    cp, C = dist.get_world_size(group), k_BHkLDk.shape[2] // 2
-    kv_BHkSD = _GatherSequence.apply(torch.cat([k_BHkLDk, v_BHkLDv], dim=-1), group)
-    kv_BHkSD = kv_BHkSD.index_select(2, _sequence_order(cp, C, k_BHkLDk.device))
+    kv_BHkSD = gather_sequence(torch.cat([k_BHkLDk, v_BHkLDv], dim=-1), group, dim=2)
     return kv_BHkSD.split([k_BHkLDk.shape[-1], v_BHkLDv.shape[-1]], dim=-1)
 
 

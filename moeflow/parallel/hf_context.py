@@ -14,9 +14,17 @@ query index, key index) that says what the architecture wants (causal, a sliding
 - the attention function all-gathers keys and values over the cp group, then lets each local query attend to
   the keys before it (context.context_parallel_attention) where the mask is None and the layer has no attention
   sinks or logit soft-cap, else computes the masked attention over the gathered keys itself.
-So each layer attends as transformers' own mask says, by construction. Architectures with layers that are not
-attention of this kind (linear attention, Mamba, convolutions, a sparse-attention indexer) are refused
-(`hf_context_refusal`).
+So each layer attends as transformers' own mask says, by construction. A layer whose sequence mixer is not
+such attention runs that mixer whole on every cp rank: a linear attention, a Mamba mixer or a short convolution,
+and an attention with a sparse-attention indexer (DeepSeek-V3.2's DSA: it ranks each query's whole row of keys,
+and hands the attention function its top-k `indices`, which the whole-sequence path here turns into the mask
+transformers' eager path builds). A forward pre-hook all-gathers the mixer's input (and the RoPE tables,
+positions and mask rows it is handed) into sequence order, a forward hook cuts this rank's chunks from its
+output; the all-gather's backward sums every rank's gradient of the rank's tokens, and each rank's parameter
+gradients come from its own chunks' outputs, which the gradient reduction over cp adds up as it does the
+attention's. It costs cp times the mixer's compute, and the indexer's attention its [S, S] scores. Other layers
+(hyper-connected hybrid layers, compressed attention) are refused (`hf_context_refusal`), as are layers that
+hand each other state where some run whole and others split.
 
 Shape suffixes as in moeflow.parallel.context: B batch, H query heads, Hk key/value heads, L local tokens, S whole
 sequence, Dk query/key width, Dv value width.
@@ -35,12 +43,16 @@ from moeflow.parallel.context import (
     ContextParallelTokenScale,
     context_parallel_attention,
     gather_keys_values,
+    gather_sequence,
     local_positions,
 )
 
 ATTENTION = "moeflow_context_parallel"
 # layer kinds whose mixing along the sequence is attention under a mask transformers builds, or none at all
 _SPLITTABLE_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "mlp", "moe"}
+# layer kinds whose one sequence mixer runs whole: not attention (linear attention, Mamba, a short convolution),
+# or attention whose sparse-attention indexer picks keys from each query's whole row of scores
+_WHOLE_LAYERS = {"linear_attention", "conv", "indexed_attention"}
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> its cp process group
 # the forward under way (set by its pre-hook): its global query positions [L] and the sequence length S
 _QUERIES: list[tuple[torch.Tensor, int]] = []
@@ -50,16 +62,100 @@ def hf_context_refusal(model: nn.Module) -> str | None:
     """Why this transformers model cannot split its sequences over cp ranks (None when it can)."""
     cfg = model.config.get_text_config()
     name = type(model).__name__
-    others = sorted(set(getattr(cfg, "layer_types", None) or []) - _SPLITTABLE_LAYERS)
+    others = sorted(set(getattr(cfg, "layer_types", None) or []) - _SPLITTABLE_LAYERS - _WHOLE_LAYERS)
     if others:
-        return (f"{name}: its {', '.join(others)} layers are not full, sliding-window or chunked attention, the "
-                f"kinds context parallelism splits here; use cp = 1")
+        return (f"{name}: its {', '.join(others)} layers are neither full, sliding-window or chunked attention, "
+                f"which context parallelism splits here, nor linear attention, convolutions or indexed attention, "
+                f"which it runs whole; use cp = 1")
+    why = _whole_mixers(model)[1]
+    if why:
+        return why
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope in ("dynamic", "longrope"):  # the tables follow max(position_ids), which differs between cp ranks
         return f"{name}: {rope} RoPE scales by the longest position a rank holds, which cp splits; use cp = 1"
     if getattr(cfg, "attn_temperature_tuning", False):  # Llama 4 scales queries by arange(local length)
         return f"{name}: attention temperature tuning reads the local positions, not the sequence's; use cp = 1"
     return None
+
+
+def _whole_mixers(model: nn.Module) -> tuple[dict[str, nn.Module], str | None]:
+    """({fqn: module} of the sequence mixers that run whole on every cp rank: in each layer of a kind in
+    _WHOLE_LAYERS, its one token mixer other than an MLP; why not, where such a layer has several)."""
+    from moeflow.parallel.hf_pipeline import is_skipped
+    from moeflow.parallel.module_names import HF_NAMES, token_mixers
+
+    kinds = getattr(model.config.get_text_config(), "layer_types", None) or []
+    found = {}
+    for i, block in enumerate(model.model.layers):
+        if i >= len(kinds) or kinds[i] not in _WHOLE_LAYERS or is_skipped(block):
+            continue
+        mixers = [n for n in token_mixers(block, HF_NAMES) if not _per_token(getattr(block, n))]
+        if len(mixers) != 1:
+            return {}, (f"{type(model).__name__}: its {kinds[i]} layer {i} has {', '.join(mixers) or 'no part'} "
+                        f"beside its FFN, where context parallelism runs one sequence mixer whole; use cp = 1")
+        found[f"model.layers.{i}.{mixers[0]}"] = getattr(block, mixers[0])
+    if found and set(kinds) - _WHOLE_LAYERS - {"mlp", "moe"} and _carries_state(model):
+        return {}, (f"{type(model).__name__}: its layers hand each other more than the hidden states, and some run "
+                    f"whole on every cp rank while others split the sequence; use cp = 1")
+    return found, None
+
+
+def _per_token(module: nn.Module) -> bool:
+    """A part of a layer that works token by token: an MLP or expert, a hyper-connection or gated residual (which
+    mix a token's residual streams), by its class's name."""
+    from moeflow.parallel.module_names import is_mlp
+
+    name = type(module).__name__.lower()
+    return is_mlp(module) or "hyperconnection" in name or "residual" in name
+
+
+def _carries_state(model: nn.Module) -> bool:
+    from moeflow.parallel.hf_pipeline import carried_state
+
+    return carried_state(type(model.model)) is not None
+
+
+def whole_sequence_mixers(model: nn.Module) -> dict[str, nn.Module]:
+    """{fqn: module} of the sequence mixers context parallelism runs whole on every cp rank (module docstring)."""
+    return _whole_mixers(model)[0]
+
+
+def _run_whole(mixer: nn.Module, group) -> None:
+    """Hooks that give `mixer` the whole sequences in order and hand its caller this rank's chunks of its output."""
+
+    def gather(module, args, kwargs):
+        whole = lambda t: gather_sequence(t, group, dim=1)  # noqa: E731
+        tables = lambda v: tuple(whole(t) for t in v)  # noqa: E731  (RoPE's cos, sin [B, L, d] of this rank)
+        if args:  # hidden states first, then (Qwen4-style) the RoPE tables
+            args = (whole(args[0]), *(tables(a) if _is_tables(a) else a for a in args[1:]))
+        elif "hidden_states" in kwargs:
+            kwargs = {**kwargs, "hidden_states": whole(kwargs["hidden_states"])}
+        else:
+            raise ValueError(f"context parallelism: {type(module).__name__} got no positional input nor "
+                             f"hidden_states=; use parallel.cp = 1")
+        if kwargs.get("position_embeddings") is not None:
+            kwargs["position_embeddings"] = tables(kwargs["position_embeddings"])
+        if kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = whole(kwargs["position_ids"])
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 4:  # [B, 1, L, S] of this rank's queries: every row
+            rows = gather_sequence(mask.to(torch.uint8) if mask.dtype == torch.bool else mask, group, dim=2)
+            kwargs["attention_mask"] = rows.bool() if mask.dtype == torch.bool else rows
+        return args, kwargs
+
+    def cut(module, args, kwargs, output):
+        ((q_pos_L, _),) = _QUERIES
+        local = lambda y: y.index_select(1, q_pos_L.to(y.device))  # noqa: E731
+        return (local(output[0]), *output[1:]) if isinstance(output, tuple) else local(output)
+
+    # inside tensor parallelism's hooks where tp also runs the mixer whole (WholeMixer, applied first): its
+    # all-gather over tp runs before this one, its cut after this one
+    mixer.register_forward_pre_hook(gather, with_kwargs=True)
+    mixer.register_forward_hook(cut, with_kwargs=True, prepend=True)
+
+
+def _is_tables(value) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and all(isinstance(t, torch.Tensor) for t in value)
 
 
 def apply_hf_context_parallel(model: nn.Module, cp_mesh) -> ContextParallelTokenScale:
@@ -76,6 +172,8 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh) -> ContextParallelToken
     AttentionMaskInterface.register(ATTENTION, _mask)
     for module in model.modules():
         _GROUPS[module] = group
+    for mixer in whole_sequence_mixers(model).values():
+        _run_whole(mixer, group)
     model.set_attn_implementation(ATTENTION)
     if model.config.get_text_config()._attn_implementation != ATTENTION:  # transformers only warns when it cannot
         raise ValueError(f"{type(model).__name__}: transformers kept attention implementation "
@@ -125,26 +223,45 @@ def _attention(module: nn.Module, q_BHLDk: torch.Tensor, k_BHkLDk: torch.Tensor,
         raise ValueError(f"attention dropout {dropout} under context parallelism; set the architecture's "
                          f"attention_dropout to 0 or use parallel.cp = 1")
     group = _GROUPS[module]
-    if attention_mask is None and softcap is None and s_aux is None:
+    ((_, S),) = _QUERIES
+    if q_BHLDk.shape[2] == S and k_BHkLDk.shape[2] == S:  # an attention run whole on every rank (_run_whole)
+        seen = attention_mask
+        if kwargs.get("indices") is not None:  # a sparse-attention indexer's top-k keys per query [B, S, k]
+            seen = _selected(kwargs["indices"], S) & (_causal(S, q_BHLDk.device) if seen is None else seen)
+        out_BHLDv = _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, None, seen, scaling, softcap, s_aux)
+    elif attention_mask is None and softcap is None and s_aux is None:
         out_BHLDv = context_parallel_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, scaling)
     else:
         out_BHLDv = _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, attention_mask, scaling, softcap, s_aux)
     return out_BHLDv.transpose(1, 2).contiguous(), None
 
 
+def _selected(indices_BLk: torch.Tensor, S: int) -> torch.Tensor:
+    """[B, 1, L, S] True at each query's selected keys (what transformers' eager path masks the others with)."""
+    B, L, _ = indices_BLk.shape
+    none = torch.zeros(B, L, S, dtype=torch.bool, device=indices_BLk.device)
+    return none.scatter(-1, indices_BLk.long(), True)[:, None]
+
+
+def _causal(S: int, device) -> torch.Tensor:
+    return torch.ones(S, S, dtype=torch.bool, device=device).tril()[None, None]
+
+
 def _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, seen_B1LS, scaling, softcap, sinks_H):
     """Attention of this rank's queries over the gathered keys with the mask written out (`seen_B1LS`, or plain
-    causal where None), scores soft-capped, and a per-head sink logit in the softmax's denominator (gpt-oss).
-    The [B, H, L, S] scores are materialised: the exact path, not the fast one."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    causal where None), scores soft-capped, and a per-head sink logit in the softmax's denominator (gpt-oss);
+    `group` None: queries and keys are the whole sequence's already. The [B, H, L, S] scores are materialised:
+    the exact path, not the fast one."""
     L, Dk = q_BHLDk.shape[2], k_BHkLDk.shape[-1]
     # as the plain path does: the gather's dtype is the same on every rank, whichever path each takes
     q_BHLDk, k_BHkLDk, v_BHkLDv = (autocast_input(t) for t in (q_BHLDk, k_BHkLDk, v_BHkLDv))
-    k_BHkSDk, v_BHkSDv = gather_keys_values(k_BHkLDk, v_BHkLDv, group)
+    k_BHkSDk, v_BHkSDv = (k_BHkLDk, v_BHkLDv) if group is None else gather_keys_values(k_BHkLDk, v_BHkLDv, group)
     S, repeat = k_BHkSDk.shape[2], q_BHLDk.shape[1] // k_BHkSDk.shape[1]
     k_BHSDk, v_BHSDv = k_BHkSDk.repeat_interleave(repeat, dim=1), v_BHkSDv.repeat_interleave(repeat, dim=1)
     if seen_B1LS is None:
-        q_pos_L1 = local_positions(S, rank, cp, device=q_BHLDk.device)[:, None]
+        device = q_BHLDk.device
+        q_pos_L1 = (torch.arange(S, device=device) if group is None else
+                    local_positions(S, dist.get_rank(group), dist.get_world_size(group), device=device))[:, None]
         seen_B1LS = (torch.arange(S, device=q_BHLDk.device)[None, :] <= q_pos_L1)[None, None]
     scale = Dk ** -0.5 if scaling is None else scaling
     scores_BHLS = (q_BHLDk @ k_BHSDk.transpose(-1, -2)).float() * scale

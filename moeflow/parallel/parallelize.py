@@ -27,11 +27,12 @@ from moeflow.parallel.adapter import ModelAdapter, adapter_for
 from moeflow.parallel.fp8 import apply_fp8
 from moeflow.parallel.hf_experts import is_expert_parallel_hf
 from moeflow.parallel.loss import tp_loss
+from moeflow.parallel.module_names import beside_moe, ffn_of
 from moeflow.parallel.options import ParallelOptions
 from moeflow.parallel.recompute import apply_activation_checkpointing
 from moeflow.parallel.runner import LocalRunner, MTPObjective, local_token_scale
 from moeflow.parallel.state import ParallelState
-from moeflow.parallel.tensor import beside_moe, ffn_of, shared_by_heads
+from moeflow.parallel.tensor import shared_by_heads
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions | None = None) -> ParallelState:
@@ -129,13 +130,14 @@ def context_parallel(b: _Build) -> None:
     care. Its loss scale counts the targets of the whole sequences."""
     if b.dims.cp > 1:
         from moeflow.parallel.context import apply_context_parallel
-        from moeflow.parallel.hf_context import apply_hf_context_parallel
+        from moeflow.parallel.hf_context import apply_hf_context_parallel, whole_sequence_mixers
         from moeflow.parallel.mesh import cp_mesh
 
         b.state.cp_mesh = cp_mesh(b.state.mesh, b.dims)
         if b.adapter.family == "huggingface":  # transformers' attention modules: through its attention interface
             (stage,) = b.stages
             b.token_scale = apply_hf_context_parallel(stage, b.state.cp_mesh)
+            b.state.cp_whole.update(whole_sequence_mixers(stage))
         else:
             b.token_scale = apply_context_parallel(b.stages, b.state.cp_mesh)
 

@@ -26,6 +26,8 @@ class ParallelState:
     # token mixers the tp plan does not shard, {fqn in its stage: module}: whole on every tp rank (WholeMixer)
     tp_whole: dict = field(default_factory=dict)
     cp_mesh: Any = None  # the 1-D context-parallel mesh when cp > 1
+    # sequence mixers that are not attention, {fqn in its stage: module}: whole on every cp rank (hf_context)
+    cp_whole: dict = field(default_factory=dict)
 
     @property
     def dp_rank(self) -> int:

@@ -65,7 +65,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from moeflow.core.parallel_dims import MLA_TP_UNSUPPORTED
-from moeflow.parallel.adapter import is_norm
+from moeflow.parallel.module_names import beside_moe, ffn_of, is_moe, is_norm, token_mixers
 
 HOW_TO_PASS_A_PLAN = (
     "pass a plan: parallelize(model, dims, ParallelOptions(tp_plan={'<fqn pattern>': ColwiseParallel(), ...})) "
@@ -289,44 +289,6 @@ def _layer_patterns(prefix: str, layers: dict[str, nn.Module], kind_of) -> dict:
     return {kind: [f"{prefix}.{n}" for n in names] for kind, names in kinds.items()}
 
 
-def _is_moe(module: nn.Module) -> bool:
-    """A moeflow MoE, or any wrapper of one (e.g. the block that replaces an HF sparse MoE), or a transformers
-    sparse MoE block (its experts module is transformers' experts interface: moeflow.parallel.hf_experts)."""
-    from moeflow.models.moe import Router
-    from moeflow.parallel.hf_experts import is_hf_experts
-
-    return any(isinstance(m, Router) or is_hf_experts(m) for m in module.modules())
-
-
-def ffn_of(block: nn.Module, names) -> tuple[str, nn.Module] | None:
-    """(name, module) of a block's FFN: its `names.ffn` child, else the child holding an MoE (transformers names
-    some sparse MoE blocks otherwise: granitemoe's block_sparse_moe), else a child with the gate/up/down
-    projections (Jamba's feed_forward); None when it has none of these."""
-    ffn = getattr(block, names.ffn, None)
-    if ffn is not None:
-        return names.ffn, ffn
-    named = (_is_moe,
-             lambda child: all(hasattr(child, p) for p in (names.gate, names.up, names.down)))  # Jamba's feed_forward
-    return next(((name, child) for found in named for name, child in block.named_children() if found(child)), None)
-
-
-def _is_mlp(module: nn.Module) -> bool:
-    """An MLP or an expert, by its class's name (GraniteMoeSharedMLP, ...: as for norms, no common base)."""
-    name = type(module).__name__.lower()
-    return "mlp" in name or "expert" in name
-
-
-def beside_moe(block: nn.Module, names) -> list[str]:
-    """Names of a block's children that run beside its MoE block on the same input, outside it (Granite-MoE's
-    shared_mlp, a shared expert the layer adds to the MoE's output): the MLPs other than the FFN in a block whose
-    FFN is an MoE. They take the MoE block's style."""
-    found = ffn_of(block, names)
-    if found is None or not _is_moe(found[1]):
-        return []
-    return [name for name, child in block.named_children()
-            if name not in (names.attention, found[0]) and _is_mlp(child)]
-
-
 def _moe_style(fold_experts: bool) -> ParallelStyle:
     return LocalTokens() if fold_experts else ReplicatedModule()
 
@@ -475,16 +437,6 @@ def _unplaced_attention_part(model, key: str, block: nn.Module, attention: nn.Mo
     return None
 
 
-def token_mixers(block: nn.Module, names) -> list[str]:
-    """The children of a block with parameters but its norms, its FFN and the MLPs beside its MoE: its attention,
-    or what stands in for one (a linear attention, a Mamba mixer, a short convolution), and whatever else an
-    architecture adds to its layers (hyper-connections, residual gates)."""
-    found = ffn_of(block, names)
-    skip = {found[0] if found else names.ffn, *beside_moe(block, names)}
-    return [name for name, child in block.named_children()
-            if name not in skip and not is_norm(child) and any(True for _ in child.parameters())]
-
-
 def _block_norms(layers: dict[str, nn.Module], names) -> list[str]:
     """The names of the blocks' own norms: the pre-norms, and the post or sandwich norms some architectures add
     (children other than the attention and the FFN whose class is a norm). Each runs on this rank's sequence
@@ -594,7 +546,7 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
 
     def ffn_kind(layer):
         name, ffn = ffn_of(layer, names) or (names.ffn, None)
-        if ffn is not None and _is_moe(ffn):
+        if ffn is not None and is_moe(ffn):
             return "moe", name
         if ffn is not None and all(hasattr(ffn, p) for p in (names.gate, names.up, names.down)):
             return "dense", name
@@ -641,7 +593,7 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
 def tp_plan(model: nn.Module, *, loss_parallel: bool = True, fold_experts: bool = False) -> dict[str, ParallelStyle]:
     """The built-in plan for a moeflow Transformer (or a pipeline stage of one) or a Hugging Face decoder LM
     (attention with q/k/v/o projections, gate/up/down MLPs or MoE blocks), one plan under each family's module names
-    (moeflow.parallel.adapter.ModuleNames); in a Hugging Face model, a layer's one token mixer the plan cannot
+    (moeflow.parallel.module_names.ModuleNames); in a Hugging Face model, a layer's one token mixer the plan cannot
     shard runs whole on every tp rank (WholeMixer). ValueError otherwise.
 
     loss_parallel: the output head leaves vocab-sharded DTensor logits for tp_loss; else plain full logits.

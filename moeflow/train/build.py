@@ -145,11 +145,16 @@ def build(cfg: JobConfig, info: DistInfo, dims: ParallelDims, batch: BatchSplit)
     data = build_data(cfg, info.is_main)  # before the model: bad input is reported before anything large exists
     par, optimizer, bytes_read = build_model(cfg, info.device, dims, batch)
     sampler, val = data.sampler(cfg, par.dp_rank, dims.dp), data.val
+    where = " of the first pipeline stage" if dims.pp > 1 else ""
     if par.tp_whole and info.is_main:
         kinds = ", ".join(sorted({type(m).__name__ for m in par.tp_whole.values()}))
-        where = " of the first pipeline stage" if dims.pp > 1 else ""
         print(f"note: parallel.tp = {dims.tp}: {len(par.tp_whole)} token mixer(s){where} ({kinds}) have no "
               f"tensor-parallel plan and run whole on every tp rank; the rest of their layers is tensor-parallel")
+    if par.cp_whole and info.is_main:
+        kinds = ", ".join(sorted({type(m).__name__ for m in par.cp_whole.values()}))
+        print(f"note: parallel.cp = {dims.cp}: {len(par.cp_whole)} sequence mixer(s){where} ({kinds}) are not "
+              f"attention context parallelism splits and run whole on every cp rank (the sequence gathered into "
+              f"them); the other layers' attention is split")
     if dims.pp > 1 and val and any(b.inputs.shape[0] != t.global_batch for b in val):
         # a pipeline evaluates in the training step's micro-batch shape (its receive buffers are sized for it)
         val = [b for b in val if b.inputs.shape[0] == t.global_batch]

@@ -108,7 +108,7 @@ def _recording_gather_dtypes(seen: list):
     from moeflow.parallel import context
 
     original = context._GatherSequence.apply
-    context._GatherSequence.apply = lambda t, group: (seen.append(t.dtype), original(t, group))[1]
+    context._GatherSequence.apply = lambda t, *rest: (seen.append(t.dtype), original(t, *rest))[1]
     try:
         yield
     finally:

@@ -98,6 +98,18 @@ def test_architectures_whose_attention_cannot_be_split_are_refused_in_one_line()
     from tests.support.hf_tiny import tiny_model
 
     assert hf_context_refusal(tiny_model("gpt_oss")) is None
-    why = hf_context_refusal(tiny_model("qwen3_next"))
-    assert "linear_attention layers are not full, sliding-window or chunked attention" in why
-    assert "layers are not full" in hf_context_refusal(tiny_model("jamba"))  # its Mamba layers
+    assert hf_context_refusal(tiny_model("jamba")) is None  # its Mamba mixers run whole on every cp rank
+    assert hf_context_refusal(tiny_model("glm_moe_dsa")) is None  # its indexer's attention runs whole
+    why = hf_context_refusal(tiny_model("deepseek_v4"))
+    assert why.startswith("DeepseekV4ForCausalLM: its compressed_sparse_attention, heavily_compressed_attention "
+                          "layers are neither full, sliding-window or chunked attention, which context parallelism "
+                          "splits here, nor linear attention, convolutions or indexed attention")
+    assert hf_context_refusal(tiny_model("kolibri1_1")) == (
+        "Kolibri1_1ForCausalLM: its layers hand each other more than the hidden states, and some run whole on every "
+        "cp rank while others split the sequence; use cp = 1")
+    model = tiny_model("qwen3_next")
+    linear = model.config.layer_types.index("linear_attention")
+    model.model.layers[linear].gate = torch.nn.Linear(4, 4)  # a second part beside the mixer: which runs whole?
+    assert hf_context_refusal(model) == (f"Qwen3NextForCausalLM: its linear_attention layer {linear} has linear_attn, "
+                                         f"gate beside its FFN, where context parallelism runs one sequence mixer "
+                                         f"whole; use cp = 1")

@@ -161,19 +161,32 @@ def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_p
                         rf"parallel.tp = 2 for \w+ForCausalLM on transformers' own modules: .*{why}")
 
 
-def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_parallelism(tmp_path, capfd):
-    """Qwen3-Next's linear-attention layers (GatedDeltaNet) have no tensor-parallel plan: they run whole on every
-    tp rank while its full-attention layers and MoE stay tensor-parallel; tp=2 trains the one-process losses and
-    gradient norms, and rank 0 says which mixers run whole."""
+@pytest.mark.parametrize("world, runs", [
+    (2, {"tp2": ("qwen3_next", {"parallel.tp": 2}), "cp2": ("qwen3_next", {"parallel.cp": 2}),
+         "dsa-cp2": ("glm_moe_dsa", {"parallel.cp": 2})}),
+    pytest.param(4, {"tp2-cp2": ("qwen3_next", {"parallel.tp": 2, "parallel.cp": 2})}, marks=pytest.mark.slow),
+], ids=["tp2-and-cp2", "tp2-x-cp2"])
+def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_and_context_parallelism(tmp_path, capfd, world, runs):
+    """Qwen3-Next's linear-attention layers (GatedDeltaNet) have no tensor-parallel plan and are not attention that
+    context parallelism splits: they run whole on every tp or cp rank (the sequence gathered into them) while its
+    full-attention layers and MoE stay split; so does GLM-5's attention with a sparse-attention indexer under cp
+    (its top-k keys made a mask: without them the run is off by 3e-2). tp=2, cp=2 and both train the one-process
+    losses and gradient norms, and rank 0 says which mixers run whole."""
     from tests.parallel.layout_worker import launch
 
-    folder = _tiny_folder("qwen3_next", tmp_path / "qwen3_next")
-    train(load_config(None, _overrides(folder, tmp_path / "one")), fresh=True, progress=False)
-    argv = [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / "tp2", **{"parallel.tp": 2}).items()]
-    results = launch(2, [("tp2", argv, str(tmp_path / "tp2"), False)])
-    assert results == {"tp2": "ok"}, results
-    np.testing.assert_allclose(np.array(steps(tmp_path / "tp2")), np.array(steps(tmp_path / "one")), rtol=REL)
-    assert "token mixer(s) (Qwen3NextGatedDeltaNet) have no tensor-parallel plan" in capfd.readouterr().out
+    folders = {arch: _tiny_folder(arch, tmp_path / arch) for arch in {arch for arch, _ in runs.values()}}
+    for arch, folder in folders.items():
+        train(load_config(None, _overrides(folder, tmp_path / arch / "one")), fresh=True, progress=False)
+    argv = lambda run, arch, more: [f"--{k}={v}" for k, v in _overrides(folders[arch], tmp_path / run, **more).items()]
+    results = launch(world, [(run, argv(run, *case), str(tmp_path / run), False) for run, case in runs.items()])
+    assert results == {run: "ok" for run in runs}, results
+    for run, (arch, _) in runs.items():
+        np.testing.assert_allclose(np.array(steps(tmp_path / run)), np.array(steps(tmp_path / arch / "one")),
+                                   rtol=REL, err_msg=run)
+    out = capfd.readouterr().out
+    assert "token mixer(s) (Qwen3NextGatedDeltaNet) have no tensor-parallel plan" in out
+    assert "parallel.cp = 2: 1 sequence mixer(s) (Qwen3NextGatedDeltaNet) are not attention context parallelism " \
+           "splits and run whole on every cp rank" in out
 
 
 def test_pipeline_splits_it_cannot_make_are_named(folder):

@@ -1,0 +1,104 @@
+"""A model family's module names, and the parts of a transformer block found by what they are.
+
+The tensor-parallel plan (moeflow.parallel.tensor), context parallelism of transformers' modules
+(moeflow.parallel.hf_context) and parallelize's gradient bookkeeping address a block's children by a family's names
+(`ModuleNames`: moeflow's own, transformers'), and find what the names do not say - a norm, an MLP, the MoE, the FFN
+under another name, the token mixers - by the class of each child, since transformers' families share no base
+classes for them. A leaf: it imports no other part of moeflow.parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from moeflow.models.hf_transformers import is_hf_experts
+from moeflow.models.moe import Router
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A normalisation layer, by its class's name (RMSNorm, LayerNorm, Qwen3MoeRMSNorm, ...: no common base)."""
+    return type(module).__name__.lower().endswith("norm")
+
+
+def is_mlp(module: nn.Module) -> bool:
+    """An MLP or an expert, by its class's name (GraniteMoeSharedMLP, ...: as for norms, no common base)."""
+    name = type(module).__name__.lower()
+    return "mlp" in name or "expert" in name
+
+
+@dataclass(frozen=True)
+class ModuleNames:
+    """A family's module names, as the tensor-parallel plan addresses them (dotted paths from the model; a block's
+    children relative to the block). `attention_input` is how a block hands the attention its hidden states: the
+    first positional argument, or a keyword. `per_head_norm_dim`: the dimension of the heads in the tensors a
+    per-head query/key norm sees ([B, H, S, Dh] -> 1, [B, S, H, Dh] -> 2). A block's own norms need no names: the
+    plan finds them by their class (moeflow.parallel.tensor._block_norms)."""
+
+    embedding: str
+    layers: str
+    attention: str
+    q: str
+    k: str
+    v: str
+    o: str
+    ffn: str
+    gate: str  # the dense MLP's input projections (SwiGLU's gate and up) and its output projection
+    up: str
+    down: str
+    final_norm: str
+    head: str
+    attention_input: str | None  # None: positional; else the keyword's name
+    per_head_norm_dim: int
+
+
+MOEFLOW_NAMES = ModuleNames(
+    embedding="tok_embeddings", layers="layers", attention="attention",
+    q="wq", k="wk", v="wv", o="wo", ffn="feed_forward", gate="w1", up="w3", down="w2",
+    final_norm="norm", head="output", attention_input=None, per_head_norm_dim=1)
+
+HF_NAMES = ModuleNames(
+    embedding="model.embed_tokens", layers="model.layers", attention="self_attn",
+    q="q_proj", k="k_proj", v="v_proj", o="o_proj", ffn="mlp",
+    gate="gate_proj", up="up_proj", down="down_proj", final_norm="model.norm", head="lm_head",
+    attention_input="hidden_states", per_head_norm_dim=2)
+
+
+def is_moe(module: nn.Module) -> bool:
+    """A moeflow MoE, or any wrapper of one (e.g. the block that replaces an HF sparse MoE), or a transformers
+    sparse MoE block (its experts module is transformers' experts interface: moeflow.parallel.hf_experts)."""
+    return any(isinstance(m, Router) or is_hf_experts(m) for m in module.modules())
+
+
+def ffn_of(block: nn.Module, names) -> tuple[str, nn.Module] | None:
+    """(name, module) of a block's FFN: its `names.ffn` child, else the child holding an MoE (transformers names
+    some sparse MoE blocks otherwise: granitemoe's block_sparse_moe), else a child with the gate/up/down
+    projections (Jamba's feed_forward); None when it has none of these."""
+    ffn = getattr(block, names.ffn, None)
+    if ffn is not None:
+        return names.ffn, ffn
+    named = (is_moe,
+             lambda child: all(hasattr(child, p) for p in (names.gate, names.up, names.down)))  # Jamba's feed_forward
+    return next(((name, child) for found in named for name, child in block.named_children() if found(child)), None)
+
+
+def beside_moe(block: nn.Module, names) -> list[str]:
+    """Names of a block's children that run beside its MoE block on the same input, outside it (Granite-MoE's
+    shared_mlp, a shared expert the layer adds to the MoE's output): the MLPs other than the FFN in a block whose
+    FFN is an MoE. They take the MoE block's style."""
+    found = ffn_of(block, names)
+    if found is None or not is_moe(found[1]):
+        return []
+    return [name for name, child in block.named_children()
+            if name not in (names.attention, found[0]) and is_mlp(child)]
+
+
+def token_mixers(block: nn.Module, names) -> list[str]:
+    """The children of a block with parameters but its norms, its FFN and the MLPs beside its MoE: its attention,
+    or what stands in for one (a linear attention, a Mamba mixer, a short convolution), and whatever else an
+    architecture adds to its layers (hyper-connections, residual gates)."""
+    found = ffn_of(block, names)
+    skip = {found[0] if found else names.ffn, *beside_moe(block, names)}
+    return [name for name, child in block.named_children()
+            if name not in skip and not is_norm(child) and any(True for _ in child.parameters())]
