@@ -43,7 +43,7 @@ def reduce_tp_partial_grads(state: ParallelState) -> None:
     if state.tp_mesh is None:
         return
     tp = state.tp_mesh.size()
-    scaled = [(p, 1.0) for p in state.tp_partial]
+    scaled = [(p, 1.0) for p in [*state.tp_partial, *(p for m in state.tp_per_token.values() for p in m.parameters())]]
     scaled += [(p, 1.0 / tp) for mixer in state.tp_whole.values() for p in mixer.parameters()]
     pending = [(p, scale) for p, scale in scaled if p.grad is not None and not reduced(p)]
     if not pending:

@@ -82,14 +82,14 @@ def _whole_mixers(model: nn.Module) -> tuple[dict[str, nn.Module], str | None]:
     """({fqn: module} of the sequence mixers that run whole on every cp rank: in each layer of a kind in
     _WHOLE_LAYERS, its one token mixer other than an MLP; why not, where such a layer has several)."""
     from moeflow.parallel.hf_pipeline import is_skipped
-    from moeflow.parallel.module_names import HF_NAMES, token_mixers
+    from moeflow.parallel.module_names import HF_NAMES, is_per_token, token_mixers
 
     kinds = getattr(model.config.get_text_config(), "layer_types", None) or []
     found = {}
     for i, block in enumerate(model.model.layers):
         if i >= len(kinds) or kinds[i] not in _WHOLE_LAYERS or is_skipped(block):
             continue
-        mixers = [n for n in token_mixers(block, HF_NAMES) if not _per_token(getattr(block, n))]
+        mixers = [n for n in token_mixers(block, HF_NAMES) if not is_per_token(getattr(block, n))]
         if len(mixers) != 1:
             return {}, (f"{type(model).__name__}: its {kinds[i]} layer {i} has {', '.join(mixers) or 'no part'} "
                         f"beside its FFN, where context parallelism runs one sequence mixer whole; use cp = 1")
@@ -98,15 +98,6 @@ def _whole_mixers(model: nn.Module) -> tuple[dict[str, nn.Module], str | None]:
         return {}, (f"{type(model).__name__}: its layers hand each other more than the hidden states, and some run "
                     f"whole on every cp rank while others split the sequence; use cp = 1")
     return found, None
-
-
-def _per_token(module: nn.Module) -> bool:
-    """A part of a layer that works token by token: an MLP or expert, a hyper-connection or gated residual (which
-    mix a token's residual streams), by its class's name."""
-    from moeflow.parallel.module_names import is_mlp
-
-    name = type(module).__name__.lower()
-    return is_mlp(module) or "hyperconnection" in name or "residual" in name
 
 
 def _carries_state(model: nn.Module) -> bool:

@@ -65,6 +65,13 @@ HF_NAMES = ModuleNames(
     attention_input="hidden_states", per_head_norm_dim=2)
 
 
+def is_per_token(module: nn.Module) -> bool:
+    """A part of a layer (or of the model, around its layers) that works token by token: an MLP or expert, a
+    hyper-connection's stream mixing or head, a gated or scaled residual, by its class's name."""
+    name = type(module).__name__.lower()
+    return is_mlp(module) or "hyper" in name or "residual" in name
+
+
 def is_moe(module: nn.Module) -> bool:
     """A moeflow MoE, or any wrapper of one (e.g. the block that replaces an HF sparse MoE), or a transformers
     sparse MoE block (its experts module is transformers' experts interface: moeflow.parallel.hf_experts)."""

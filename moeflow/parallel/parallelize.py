@@ -113,13 +113,14 @@ def tensor_parallel(b: _Build) -> None:
     """Tensor and sequence parallelism by a plan that is data (moeflow.parallel.tensor), on plain modules."""
     if b.dims.tp > 1:
         from moeflow.parallel.mesh import submesh
-        from moeflow.parallel.tensor import apply_tensor_parallel, tp_plan, whole_mixers
+        from moeflow.parallel.tensor import PerTokenPart, WholeMixer, apply_tensor_parallel, styled_modules, tp_plan
 
         b.state.tp_mesh = submesh(b.state.mesh, "tp")
         for stage in b.stages:
             plan = (b.options.tp_plan if b.options.tp_plan is not None else
                     tp_plan(stage, fold_experts=b.dims.fold_experts))
-            b.state.tp_whole.update(whole_mixers(stage, plan))
+            b.state.tp_whole.update(styled_modules(stage, plan, WholeMixer))
+            b.state.tp_per_token.update(styled_modules(stage, plan, PerTokenPart))
             apply_tensor_parallel(stage, b.state.tp_mesh, plan=plan, fold_experts=b.dims.fold_experts)
 
 

@@ -25,6 +25,8 @@ class ParallelState:
     tp_reduced: dict = field(default_factory=dict)  # id(param) -> (weakref, version) of its gradient once summed
     # token mixers the tp plan does not shard, {fqn in its stage: module}: whole on every tp rank (WholeMixer)
     tp_whole: dict = field(default_factory=dict)
+    # parts of a layer that work token by token beside its mixer, on the rank's tokens (PerTokenPart): partial
+    tp_per_token: dict = field(default_factory=dict)
     cp_mesh: Any = None  # the 1-D context-parallel mesh when cp > 1
     # sequence mixers that are not attention, {fqn in its stage: module}: whole on every cp rank (hf_context)
     cp_whole: dict = field(default_factory=dict)

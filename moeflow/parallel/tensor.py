@@ -65,7 +65,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from moeflow.core.parallel_dims import MLA_TP_UNSUPPORTED
-from moeflow.parallel.module_names import beside_moe, ffn_of, is_moe, is_norm, token_mixers
+from moeflow.parallel.module_names import beside_moe, ffn_of, is_moe, is_norm, is_per_token, token_mixers
 
 HOW_TO_PASS_A_PLAN = (
     "pass a plan: parallelize(model, dims, ParallelOptions(tp_plan={'<fqn pattern>': ColwiseParallel(), ...})) "
@@ -171,6 +171,39 @@ class LocalTokens(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"LocalTokens(sequence_dim={self.sequence_dim})"
+
+
+class PerTokenPart(LocalTokens):
+    """LocalTokens for a part of a layer that works token by token beside its token mixer (a hyper-connection, a
+    gated or scaled residual): every sequence-sharded input (it may take the residual and the mixer's output)
+    becomes its local tensor, every output of this rank's sequence length a sequence-sharded DTensor. Its
+    replicated parameters get this rank's tokens' gradient only: summed over tp after backward
+    (moeflow.parallel.grads)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        dim = self.sequence_dim
+        lengths: list[int] = []
+
+        def local(x):
+            if isinstance(x, DTensor):
+                x = x.to_local()
+                lengths[:] = [x.shape[dim]]
+            return tuple(local(v) for v in x) if isinstance(x, tuple) else x
+
+        def sharded(y):
+            if isinstance(y, tuple):
+                return tuple(sharded(v) for v in y)
+            if isinstance(y, torch.Tensor) and y.ndim > dim and lengths and y.shape[dim] == lengths[0]:
+                return DTensor.from_local(y, device_mesh, [Shard(dim)], run_check=False)
+            return y
+
+        module.register_forward_pre_hook(lambda mod, args, kwargs: (local(args), {k: local(v) for k, v in
+                                                                                  kwargs.items()}), with_kwargs=True)
+        module.register_forward_hook(lambda mod, args, kwargs, output: sharded(output), with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return "PerTokenPart()"
 
 
 class HeadShardedNorm(SequenceParallel):
@@ -482,9 +515,15 @@ def _carries_state(model: nn.Module) -> bool:
     return base is not None and carried_state(type(base)) is not None
 
 
-def whole_mixers(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, nn.Module]:
-    """{fqn: module} of the token mixers `plan` runs whole on every tp rank (WholeMixer)."""
-    patterns = [pattern for pattern, style in plan.items() if isinstance(style, WholeMixer)]
+def _sequence_mixers(block: nn.Module, names) -> list[str]:
+    """A block's token mixers that mix the sequence (not its per-token parts)."""
+    return [name for name in token_mixers(block, names) if not is_per_token(getattr(block, name))]
+
+
+def styled_modules(model: nn.Module, plan: dict[str, ParallelStyle], style: type) -> dict[str, nn.Module]:
+    """{fqn: module} of the modules `plan` gives `style`: the token mixers it runs whole on every tp rank
+    (WholeMixer), the per-token parts it runs on the rank's tokens (PerTokenPart)."""
+    patterns = [pattern for pattern, s in plan.items() if isinstance(s, style)]
     return {fqn: m for fqn, m in model.named_modules() if any(_pattern_matches(p, fqn) for p in patterns)}
 
 
@@ -522,9 +561,9 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
     carried = whole and len(whole) < len(layers) and _carries_state(model)
     for key, why in whole.items():
         # the one token mixer of the layer runs whole (on every tp rank); moeflow's own attention always fits the
-        # plan (unless changed), a layer with more parts than that has no built-in plan, and neither have whole
-        # and sharded layers that hand each other more than the hidden states (say, an indexer's selection)
-        if adapter.family == "moeflow" or len(token_mixers(layers[key], names)) != 1 or carried:
+        # plan (unless changed), a layer with more sequence mixers than that has no built-in plan, and neither
+        # have whole and sharded layers that hand each other more than the hidden states (an indexer's selection)
+        if adapter.family == "moeflow" or len(_sequence_mixers(layers[key], names)) != 1 or carried:
             raise ValueError(why)
     block = f"{names.layers}.*"
     gather = _attention_gather(names)
@@ -536,7 +575,15 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
     # A layer whose token mixer the plan cannot shard (a linear attention, a Mamba mixer, an attention with a
     # sparse-attention indexer) runs that mixer whole on every tp rank, on the all-gathered sequence.
     for key in whole:
-        plan.update({f"{names.layers}.{key}.{name}": WholeMixer() for name in token_mixers(layers[key], names)})
+        plan.update({f"{names.layers}.{key}.{name}": WholeMixer() for name in _sequence_mixers(layers[key], names)})
+    # parts beside the mixer that work token by token (hyper-connections, residual gates) run on the rank's tokens
+    per_token = {name: None for layer in layers.values() for name in token_mixers(layer, names)
+                 if is_per_token(getattr(layer, name))}
+    plan.update({f"{block}.{name}": PerTokenPart() for name in per_token})
+    base = names.layers.rpartition(".")[0]  # and the model's own, around its layers (a hyper-connection's head)
+    if base and adapter.family != "moeflow":
+        plan.update({f"{base}.{name}": PerTokenPart() for name, child in _module(model, base).named_children()
+                     if is_per_token(child) and any(True for _ in child.parameters())})
     if sharded:
         first_attention = getattr(layers[sharded[0]], names.attention)
         attns = ([f"{names.layers}.*.{names.attention}"] if not whole else
@@ -548,16 +595,16 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
         name, ffn = ffn_of(layer, names) or (names.ffn, None)
         if ffn is not None and is_moe(ffn):
             return "moe", name
-        if ffn is not None and all(hasattr(ffn, p) for p in (names.gate, names.up, names.down)):
+        if ffn is not None and all(hasattr(ffn, p) for p in (names.up, names.down)):  # gated or not (ReLU^2)
             return "dense", name
         return "unknown", name
 
     by_kind = _layer_patterns(names.layers, layers, ffn_kind)
     unknown = [pattern for (kind, _), patterns in by_kind.items() if kind == "unknown" for pattern in patterns]
     if unknown:
-        raise ValueError(f"{type(model).__name__}: an FFN that is neither a {names.gate}/{names.up}/{names.down} MLP "
-                         f"nor an MoE block with a moeflow router or transformers' experts interface has no "
-                         f"built-in tensor-parallel plan; layers {unknown[:4]}; {HOW_TO_PASS_A_PLAN}")
+        raise ValueError(f"{type(model).__name__}: an FFN that is neither an {names.up}/{names.down} MLP (gated by "
+                         f"{names.gate} or not) nor an MoE block with a moeflow router or transformers' experts "
+                         f"interface has no built-in tensor-parallel plan; layers {unknown[:4]}; {HOW_TO_PASS_A_PLAN}")
     for (kind, name), patterns in by_kind.items():
         for pattern in patterns:
             ffn = f"{pattern}.{name}"
@@ -569,7 +616,8 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
                 plan.update({f"{pattern}.{other}": _moe_style(fold_experts) for other in beside})
                 continue
             plan[ffn] = _gather_sequence(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            plan[f"{ffn}.{names.gate}"] = ColwiseParallel()
+            if any(hasattr(layers[k], name) and hasattr(getattr(layers[k], name), names.gate) for k in layers):
+                plan[f"{ffn}.{names.gate}"] = ColwiseParallel()
             plan[f"{ffn}.{names.up}"] = ColwiseParallel()
             plan[f"{ffn}.{names.down}"] = _rowwise_to_sequence()
     if _module(model, names.final_norm) is not None:

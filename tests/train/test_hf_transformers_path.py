@@ -147,11 +147,11 @@ def _tiny_folder(arch: str, path):
 
 
 def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_path):
-    """A layer with two parts the plan cannot split (LFM2's short convolution beside an MLP it has no names for),
-    and a layer whose attention would run whole among sharded ones that hand it their indexer's selection
-    (Kolibri): each refused before any rank, found from the architecture's modules on the meta device."""
-    for arch, why in (("lfm2_moe", "an attention without q_proj/k_proj/v_proj/o_proj .* layer 0 has none \\(its parts: "
-                                   "conv, feed_forward, operator_norm, ffn_norm\\)"),
+    """A layer whose MLP the plan has no names for (LFM2's w1/w2/w3 beside its short convolution), and a layer whose
+    attention would run whole among sharded ones that hand it their indexer's selection (Kolibri): each refused
+    before any rank, found from the architecture's modules on the meta device."""
+    for arch, why in (("lfm2_moe", "an FFN that is neither an up_proj/down_proj MLP \\(gated by gate_proj or "
+                                   "not\\) nor an MoE block .* layers \\['model.layers.0'\\]"),
                       ("kolibri1_1", "an attention without q_proj/k_proj/v_proj/o_proj \\(or latent attention's "
                                      "kv_a_proj_with_mqa/kv_b_proj\\) has no built-in tensor-parallel plan; layer 3's "
                                      "is Kolibri1_1Attention")):
@@ -163,15 +163,16 @@ def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_p
 
 @pytest.mark.parametrize("world, runs", [
     (2, {"tp2": ("qwen3_next", {"parallel.tp": 2}), "cp2": ("qwen3_next", {"parallel.cp": 2}),
-         "dsa-cp2": ("glm_moe_dsa", {"parallel.cp": 2})}),
+         "dsa-cp2": ("glm_moe_dsa", {"parallel.cp": 2}), "gated-tp2": ("ergo", {"parallel.tp": 2})}),
     pytest.param(4, {"tp2-cp2": ("qwen3_next", {"parallel.tp": 2, "parallel.cp": 2})}, marks=pytest.mark.slow),
 ], ids=["tp2-and-cp2", "tp2-x-cp2"])
 def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_and_context_parallelism(tmp_path, capfd, world, runs):
     """Qwen3-Next's linear-attention layers (GatedDeltaNet) have no tensor-parallel plan and are not attention that
     context parallelism splits: they run whole on every tp or cp rank (the sequence gathered into them) while its
     full-attention layers and MoE stay split; so does GLM-5's attention with a sparse-attention indexer under cp
-    (its top-k keys made a mask: without them the run is off by 3e-2). tp=2, cp=2 and both train the one-process
-    losses and gradient norms, and rank 0 says which mixers run whole."""
+    (its top-k keys made a mask: without them the run is off by 3e-2), and Ergo's attention under tp while its
+    residual gates run on the rank's tokens (their gradients summed over tp) and its ReLU^2 MLP is sharded. tp=2,
+    cp=2 and both train the one-process losses and gradient norms, and rank 0 says which mixers run whole."""
     from tests.parallel.layout_worker import launch
 
     folders = {arch: _tiny_folder(arch, tmp_path / arch) for arch in {arch for arch, _ in runs.values()}}
@@ -207,6 +208,7 @@ def test_pipeline_splits_it_cannot_make_are_named(folder):
         transformers.AutoModelForCausalLM.from_config(tied), "GPipe")
     assert "its loop reads `hidden_states, topk_indices` from each" in hf_pipeline_refusal(
         tiny_model("glm_moe_dsa", seed=0), "GPipe")
+    assert hf_pipeline_refusal(tiny_model("nemotron_h"), "GPipe") is None  # its embedding is model.embeddings
 
 
 def test_folders_transformers_cannot_train_are_named(folder, tmp_path):
