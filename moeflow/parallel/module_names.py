@@ -85,9 +85,21 @@ def ffn_of(block: nn.Module, names) -> tuple[str, nn.Module] | None:
     ffn = getattr(block, names.ffn, None)
     if ffn is not None:
         return names.ffn, ffn
-    named = (is_moe,
-             lambda child: all(hasattr(child, p) for p in (names.gate, names.up, names.down)))  # Jamba's feed_forward
+    named = (is_moe, lambda child: mlp_projections(child, names) is not None)  # Jamba's, LFM2's feed_forward
     return next(((name, child) for found in named for name, child in block.named_children() if found(child)), None)
+
+
+# a dense MLP's (gate, up, down) projections where a family names them otherwise: LFM2's (as moeflow's own) w1/w3/w2
+OTHER_MLP_PROJECTIONS = ("w1", "w3", "w2")
+
+
+def mlp_projections(module: nn.Module, names) -> tuple[str | None, str, str] | None:
+    """The names of a dense MLP's (gate, up, down) projections - `names`' or OTHER_MLP_PROJECTIONS; gate None for
+    an ungated MLP (Ergo's ReLU^2) - or None where `module` is no such MLP."""
+    for gate, up, down in ((names.gate, names.up, names.down), OTHER_MLP_PROJECTIONS):
+        if hasattr(module, up) and hasattr(module, down):
+            return (gate if hasattr(module, gate) else None), up, down
+    return None
 
 
 def beside_moe(block: nn.Module, names) -> list[str]:

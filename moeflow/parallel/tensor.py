@@ -65,7 +65,15 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from moeflow.core.parallel_dims import MLA_TP_UNSUPPORTED
-from moeflow.parallel.module_names import beside_moe, ffn_of, is_moe, is_norm, is_per_token, token_mixers
+from moeflow.parallel.module_names import (
+    beside_moe,
+    ffn_of,
+    is_moe,
+    is_norm,
+    is_per_token,
+    mlp_projections,
+    token_mixers,
+)
 
 HOW_TO_PASS_A_PLAN = (
     "pass a plan: parallelize(model, dims, ParallelOptions(tp_plan={'<fqn pattern>': ColwiseParallel(), ...})) "
@@ -515,6 +523,24 @@ def _carries_state(model: nn.Module) -> bool:
     return base is not None and carried_state(type(base)) is not None
 
 
+def _refuse_what_reads_the_whole_sequence(model: nn.Module, layers: dict[str, nn.Module], names) -> None:
+    """ValueError for what a tp rank's sequence slice cannot feed: parameters the base model applies itself, outside
+    any module (Zaya's input scale and bias: plain tensors against the sharded embedding), and an FFN that reads the
+    token ids (DeepSeek-V4's hash routing: the ids are the whole sequence's, its tokens the rank's)."""
+    import inspect
+
+    base = _module(model, names.layers.rpartition(".")[0]) if "." in names.layers else model
+    own = [name for name, _ in base.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(f"{type(model).__name__}: parameters the model applies outside its modules "
+                         f"({', '.join(own)}) would mix plain and sequence-sharded tensors; {HOW_TO_PASS_A_PLAN}")
+    for key, layer in layers.items():
+        _, ffn = ffn_of(layer, names) or (None, None)
+        if ffn is not None and "input_ids" in inspect.signature(ffn.forward).parameters:
+            raise ValueError(f"{type(model).__name__}: layer {key}'s {type(ffn).__name__} routes by the token ids, "
+                             f"which a tp rank's slice of the sequence does not match; {HOW_TO_PASS_A_PLAN}")
+
+
 def _sequence_mixers(block: nn.Module, names) -> list[str]:
     """A block's token mixers that mix the sequence (not its per-token parts)."""
     return [name for name in token_mixers(block, names) if not is_per_token(getattr(block, name))]
@@ -565,6 +591,8 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
         # have whole and sharded layers that hand each other more than the hidden states (an indexer's selection)
         if adapter.family == "moeflow" or len(_sequence_mixers(layers[key], names)) != 1 or carried:
             raise ValueError(why)
+    if adapter.family != "moeflow":
+        _refuse_what_reads_the_whole_sequence(model, layers, names)
     block = f"{names.layers}.*"
     gather = _attention_gather(names)
     plan: dict[str, ParallelStyle] = {}
@@ -595,17 +623,18 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
         name, ffn = ffn_of(layer, names) or (names.ffn, None)
         if ffn is not None and is_moe(ffn):
             return "moe", name
-        if ffn is not None and all(hasattr(ffn, p) for p in (names.up, names.down)):  # gated or not (ReLU^2)
-            return "dense", name
+        projections = mlp_projections(ffn, names) if ffn is not None else None
+        if projections is not None:
+            return "dense", name, projections
         return "unknown", name
 
     by_kind = _layer_patterns(names.layers, layers, ffn_kind)
-    unknown = [pattern for (kind, _), patterns in by_kind.items() if kind == "unknown" for pattern in patterns]
+    unknown = [pattern for (kind, *_), patterns in by_kind.items() if kind == "unknown" for pattern in patterns]
     if unknown:
         raise ValueError(f"{type(model).__name__}: an FFN that is neither an {names.up}/{names.down} MLP (gated by "
                          f"{names.gate} or not) nor an MoE block with a moeflow router or transformers' experts "
                          f"interface has no built-in tensor-parallel plan; layers {unknown[:4]}; {HOW_TO_PASS_A_PLAN}")
-    for (kind, name), patterns in by_kind.items():
+    for (kind, name, *projections), patterns in by_kind.items():
         for pattern in patterns:
             ffn = f"{pattern}.{name}"
             if kind == "moe":
@@ -616,10 +645,9 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
                 plan.update({f"{pattern}.{other}": _moe_style(fold_experts) for other in beside})
                 continue
             plan[ffn] = _gather_sequence(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            if any(hasattr(layers[k], name) and hasattr(getattr(layers[k], name), names.gate) for k in layers):
-                plan[f"{ffn}.{names.gate}"] = ColwiseParallel()
-            plan[f"{ffn}.{names.up}"] = ColwiseParallel()
-            plan[f"{ffn}.{names.down}"] = _rowwise_to_sequence()
+            gate, up, down = projections[0]
+            plan.update({f"{ffn}.{p}": ColwiseParallel() for p in (gate, up) if p is not None})
+            plan[f"{ffn}.{down}"] = _rowwise_to_sequence()
     if _module(model, names.final_norm) is not None:
         plan[names.final_norm] = SequenceParallel()
     has_embedding, has_head = _module(model, names.embedding) is not None, _module(model, names.head) is not None

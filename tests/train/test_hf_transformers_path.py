@@ -147,11 +147,13 @@ def _tiny_folder(arch: str, path):
 
 
 def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_path):
-    """A layer whose MLP the plan has no names for (LFM2's w1/w2/w3 beside its short convolution), and a layer whose
-    attention would run whole among sharded ones that hand it their indexer's selection (Kolibri): each refused
-    before any rank, found from the architecture's modules on the meta device."""
-    for arch, why in (("lfm2_moe", "an FFN that is neither an up_proj/down_proj MLP \\(gated by gate_proj or "
-                                   "not\\) nor an MoE block .* layers \\['model.layers.0'\\]"),
+    """Parameters a model applies outside its modules (Zaya's input scale), an MoE that routes by the token ids
+    (DeepSeek-V4's hash routing), and a layer whose attention would run whole among sharded ones that hand it their
+    indexer's selection (Kolibri): each refused before any rank, found from the architecture's modules on the meta
+    device."""
+    for arch, why in (("zaya", "parameters the model applies outside its modules \\(input_hidden_states_scale, "
+                               "input_hidden_states_bias\\)"),
+                      ("deepseek_v4", "layer 0's DeepseekV4SparseMoeBlock routes by the token ids"),
                       ("kolibri1_1", "an attention without q_proj/k_proj/v_proj/o_proj \\(or latent attention's "
                                      "kv_a_proj_with_mqa/kv_b_proj\\) has no built-in tensor-parallel plan; layer 3's "
                                      "is Kolibri1_1Attention")):
@@ -163,7 +165,8 @@ def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_p
 
 @pytest.mark.parametrize("world, runs", [
     (2, {"tp2": ("qwen3_next", {"parallel.tp": 2}), "cp2": ("qwen3_next", {"parallel.cp": 2}),
-         "dsa-cp2": ("glm_moe_dsa", {"parallel.cp": 2}), "gated-tp2": ("ergo", {"parallel.tp": 2})}),
+         "dsa-cp2": ("glm_moe_dsa", {"parallel.cp": 2}), "gated-tp2": ("ergo", {"parallel.tp": 2}),
+         "w123-tp2": ("lfm2_moe", {"parallel.tp": 2})}),
     pytest.param(4, {"tp2-cp2": ("qwen3_next", {"parallel.tp": 2, "parallel.cp": 2})}, marks=pytest.mark.slow),
 ], ids=["tp2-and-cp2", "tp2-x-cp2"])
 def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_and_context_parallelism(tmp_path, capfd, world, runs):
@@ -171,7 +174,8 @@ def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_and_context_parall
     context parallelism splits: they run whole on every tp or cp rank (the sequence gathered into them) while its
     full-attention layers and MoE stay split; so does GLM-5's attention with a sparse-attention indexer under cp
     (its top-k keys made a mask: without them the run is off by 3e-2), and Ergo's attention under tp while its
-    residual gates run on the rank's tokens (their gradients summed over tp) and its ReLU^2 MLP is sharded. tp=2,
+    residual gates run on the rank's tokens (their gradients summed over tp) and its ReLU^2 MLP is sharded, and
+    LFM2's short convolutions and attention under tp with its w1/w2/w3 MLP sharded. tp=2,
     cp=2 and both train the one-process losses and gradient norms, and rank 0 says which mixers run whole."""
     from tests.parallel.layout_worker import launch
 
