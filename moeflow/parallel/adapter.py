@@ -22,7 +22,7 @@ from torch import nn
 from moeflow.core.model_config import ModelConfig
 from moeflow.core.parallel_dims import ParallelDims
 from moeflow.models.moe import MoE
-from moeflow.parallel.module_names import HF_NAMES, MOEFLOW_NAMES, ModuleNames, is_norm
+from moeflow.parallel.module_names import HF_NAMES, MOEFLOW_NAMES, ModuleNames, embedding_name, is_norm
 
 
 class ModelAdapter:
@@ -128,9 +128,13 @@ class HuggingFaceAdapter(ModelAdapter):
         final_layernorm): the base model's last child whose class is a norm."""
         base = getattr(self.model, "model", None)
         norms = [name for name, child in (base.named_children() if base is not None else ()) if is_norm(child)]
+        names = HF_NAMES
         if norms and norms[-1] != "norm":
-            return replace(HF_NAMES, final_norm=f"model.{norms[-1]}")
-        return HF_NAMES
+            names = replace(names, final_norm=f"model.{norms[-1]}")
+        embedding = embedding_name(self.model) if base is not None else None
+        if embedding not in (None, "embed_tokens"):
+            names = replace(names, embedding=f"model.{embedding}")
+        return names
 
     def blocks(self) -> dict[str, nn.Module]:
         from moeflow.parallel.hf_pipeline import is_skipped

@@ -34,27 +34,19 @@ import torch
 from torch import nn
 
 from moeflow.core.schedules import SCHEDULES, pipeline_layout, resolve_schedule
+from moeflow.parallel.module_names import embedding_name, is_norm
 
 
 def _final_norms(model: nn.Module) -> list[str]:
     """The names of the base model's own norms (children of `model.model` whose class is a norm: `norm`, or
     `final_layernorm` in some architectures), which run after the last layer."""
-    return [n for n, child in model.model.named_children() if type(child).__name__.lower().endswith("norm")]
+    return [n for n, child in model.model.named_children() if is_norm(child)]
 
 
 def _placed(model: nn.Module) -> tuple[str, ...]:
     """The parameter name prefixes a stage split places; parameters anywhere else refuse the split."""
-    return (f"model.{_embedding_name(model)}.", "model.layers.", "lm_head.",
+    return (f"model.{embedding_name(model)}.", "model.layers.", "lm_head.",
             *(f"model.{n}." for n in _final_norms(model)))
-
-
-def _embedding_name(model: nn.Module) -> str | None:
-    """The base model's attribute holding the token embedding (`embed_tokens`; NemotronH's `embeddings`)."""
-    try:
-        found = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    return next((n for n, child in model.model.named_children() if child is found), None)
 
 
 @dataclass(frozen=True)
@@ -114,11 +106,11 @@ def hf_pipeline_refusal(model: nn.Module, pp_schedule: str) -> str | None:
     if SCHEDULES[resolve_schedule(pp_schedule)].placement != "single":
         return (f"{name}: transformers' modules run one pipeline stage per rank; parallel.pp_schedule = "
                 f"{pp_schedule!r} runs several: use 'GPipe' or '1F1B'")
-    embedding_name = _embedding_name(model)
-    if embedding_name is None:
+    where = embedding_name(model)
+    if where is None:
         return (f"{name}: a model whose token embedding is not a child of model.model has no pipeline split; use "
                 f"pp = 1")
-    head, embedding = getattr(model, "lm_head", None), getattr(model.model, embedding_name)
+    head, embedding = getattr(model, "lm_head", None), getattr(model.model, where)
     if getattr(head, "weight", None) is embedding.weight:  # (the config's flag has no one name in every family)
         return (f"{name}: tied embeddings would sit on two pipeline stages (the embedding on the first, the output "
                 f"head on the last); use pp = 1")
@@ -146,7 +138,7 @@ def build_hf_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, schedul
         if i not in spec.layers:
             layers[i] = SkippedLayer(layer)
     if not spec.embed:
-        setattr(model.model, _embedding_name(model), NoEmbedding(model.config.get_text_config().hidden_size))
+        setattr(model.model, embedding_name(model), NoEmbedding(model.config.get_text_config().hidden_size))
     if not spec.head:
         for name in _final_norms(model):
             setattr(model.model, name, nn.Identity())

@@ -121,3 +121,13 @@ def token_mixers(block: nn.Module, names) -> list[str]:
     skip = {found[0] if found else names.ffn, *beside_moe(block, names)}
     return [name for name, child in block.named_children()
             if name not in skip and not is_norm(child) and any(True for _ in child.parameters())]
+
+
+def embedding_name(model: nn.Module) -> str | None:
+    """The name of the transformers base model's child holding the token embedding (`embed_tokens`; NemotronH's
+    `embeddings`), found by get_input_embeddings; None where it is not such a child."""
+    try:
+        found = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return next((n for n, child in model.model.named_children() if child is found), None)

@@ -485,9 +485,13 @@ def _block_norms(layers: dict[str, nn.Module], names) -> list[str]:
     found: dict[str, None] = {}
     for block in layers.values():
         for name, child in block.named_children():
-            if name not in (names.attention, names.ffn) and is_norm(child):
+            if name not in (names.attention, names.ffn) and is_norm(child) and not _holds_linear(child):
                 found[name] = None
     return list(found)
+
+
+def _holds_linear(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Linear) for m in module.modules())
 
 
 def _qk_norm_style(attention: nn.Module, q_norm_name: str, names) -> ParallelStyle | None:
@@ -589,7 +593,9 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
         # the one token mixer of the layer runs whole (on every tp rank); moeflow's own attention always fits the
         # plan (unless changed), a layer with more sequence mixers than that has no built-in plan, and neither
         # have whole and sharded layers that hand each other more than the hidden states (an indexer's selection)
-        if adapter.family == "moeflow" or len(_sequence_mixers(layers[key], names)) != 1 or carried:
+        mixers = len(_sequence_mixers(layers[key], names))
+        ffn_only = mixers == 0 and ffn_of(layers[key], names) is not None  # NemotronH's MoE or MLP layers
+        if adapter.family == "moeflow" or not (mixers == 1 or ffn_only) or carried:
             raise ValueError(why)
     if adapter.family != "moeflow":
         _refuse_what_reads_the_whole_sequence(model, layers, names)
@@ -607,6 +613,8 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
     # parts beside the mixer that work token by token (hyper-connections, residual gates) run on the rank's tokens
     per_token = {name: None for layer in layers.values() for name in token_mixers(layer, names)
                  if is_per_token(getattr(layer, name))}
+    per_token.update({name: None for layer in layers.values() for name, child in layer.named_children()
+                      if is_norm(child) and _holds_linear(child)})  # a norm scaled by an MLP of the token (AXK2)
     plan.update({f"{block}.{name}": PerTokenPart() for name in per_token})
     base = names.layers.rpartition(".")[0]  # and the model's own, around its layers (a hyper-connection's head)
     if base and adapter.family != "moeflow":
@@ -621,6 +629,10 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
 
     def ffn_kind(layer):
         name, ffn = ffn_of(layer, names) or (names.ffn, None)
+        if ffn is None and not any(True for _ in layer.parameters()):
+            return "none", name  # (a pipeline stage's placeholder for another stage's layer)
+        if ffn is None and len(_sequence_mixers(layer, names)) == 1:
+            return "none", name  # a layer of its mixer alone (NemotronH's attention and Mamba layers)
         if ffn is not None and is_moe(ffn):
             return "moe", name
         projections = mlp_projections(ffn, names) if ffn is not None else None
@@ -635,6 +647,8 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
                          f"{names.gate} or not) nor an MoE block with a moeflow router or transformers' experts "
                          f"interface has no built-in tensor-parallel plan; layers {unknown[:4]}; {HOW_TO_PASS_A_PLAN}")
     for (kind, name, *projections), patterns in by_kind.items():
+        if kind == "none":
+            continue
         for pattern in patterns:
             ffn = f"{pattern}.{name}"
             if kind == "moe":
