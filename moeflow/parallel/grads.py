@@ -29,8 +29,9 @@ def _spans_tp(mesh, tp_ranks: list[int], cache: dict) -> bool:
 
 
 def reduce_tp_partial_grads(state: ParallelState) -> None:
-    """Sum over the tp ranks the gradients that are partial there (the folded MoE's router, each tp rank's from
-    its own tokens; FSDP's reduce-scatter sums the shared experts'), and average those of the token mixers that
+    """Sum over the tp ranks the gradients that are partial there (the folded MoE's router and the per-token parts
+    beside a layer's mixer, each tp rank's from its own tokens; FSDP's reduce-scatter sums the shared experts'),
+    and average those of the token mixers that
     run whole on every tp rank (the same gradient on each, up to the summation order of a GPU kernel's backward:
     averaged, their copies cannot drift apart), in one flat all-reduce; a no-op otherwise. Once per step: a
     gradient already reduced (same tensor, same version) is not reduced again, so calling it twice is safe."""
@@ -43,7 +44,8 @@ def reduce_tp_partial_grads(state: ParallelState) -> None:
     if state.tp_mesh is None:
         return
     tp = state.tp_mesh.size()
-    scaled = [(p, 1.0) for p in [*state.tp_partial, *(p for m in state.tp_per_token.values() for p in m.parameters())]]
+    per_token = [p for part in state.tp_per_token.values() for p in part.parameters()]
+    scaled = [(p, 1.0) for p in [*state.tp_partial, *per_token]]
     scaled += [(p, 1.0 / tp) for mixer in state.tp_whole.values() for p in mixer.parameters()]
     pending = [(p, scale) for p, scale in scaled if p.grad is not None and not reduced(p)]
     if not pending:

@@ -36,6 +36,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from moeflow.models.layers import autocast_input
@@ -56,6 +57,8 @@ _WHOLE_LAYERS = {"linear_attention", "conv", "indexed_attention"}
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> its cp process group
 # the forward under way (set by its pre-hook): its global query positions [L] and the sequence length S
 _QUERIES: list[tuple[torch.Tensor, int]] = []
+# the forward under way's masks gathered whole for the mixers that run whole: (the local mask, the whole one)
+_WHOLE_MASKS: list[tuple[weakref.ref, torch.Tensor]] = []
 
 
 def hf_context_refusal(model: nn.Module) -> str | None:
@@ -81,29 +84,25 @@ def hf_context_refusal(model: nn.Module) -> str | None:
 def _whole_mixers(model: nn.Module) -> tuple[dict[str, nn.Module], str | None]:
     """({fqn: module} of the sequence mixers that run whole on every cp rank: in each layer of a kind in
     _WHOLE_LAYERS, its one token mixer other than an MLP; why not, where such a layer has several)."""
-    from moeflow.parallel.hf_pipeline import is_skipped
-    from moeflow.parallel.module_names import HF_NAMES, is_per_token, token_mixers
+    from moeflow.parallel.hf_pipeline import carries_state, is_skipped
+    from moeflow.parallel.module_names import HF_NAMES, sequence_mixers
 
     kinds = getattr(model.config.get_text_config(), "layer_types", None) or []
     found = {}
+    if not _WHOLE_LAYERS & set(kinds):
+        return found, None
     for i, block in enumerate(model.model.layers):
         if i >= len(kinds) or kinds[i] not in _WHOLE_LAYERS or is_skipped(block):
             continue
-        mixers = [n for n in token_mixers(block, HF_NAMES) if not is_per_token(getattr(block, n))]
+        mixers = sequence_mixers(block, HF_NAMES)
         if len(mixers) != 1:
             return {}, (f"{type(model).__name__}: its {kinds[i]} layer {i} has {', '.join(mixers) or 'no part'} "
                         f"beside its FFN, where context parallelism runs one sequence mixer whole; use cp = 1")
         found[f"model.layers.{i}.{mixers[0]}"] = getattr(block, mixers[0])
-    if found and set(kinds) - _WHOLE_LAYERS - {"mlp", "moe"} and _carries_state(model):
+    if found and set(kinds) - _WHOLE_LAYERS - {"mlp", "moe"} and carries_state(model):
         return {}, (f"{type(model).__name__}: its layers hand each other more than the hidden states, and some run "
                     f"whole on every cp rank while others split the sequence; use cp = 1")
     return found, None
-
-
-def _carries_state(model: nn.Module) -> bool:
-    from moeflow.parallel.hf_pipeline import carried_state
-
-    return carried_state(type(model.model)) is not None
 
 
 def whole_sequence_mixers(model: nn.Module) -> dict[str, nn.Module]:
@@ -130,8 +129,7 @@ def _run_whole(mixer: nn.Module, group) -> None:
             kwargs["position_ids"] = whole(kwargs["position_ids"])
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.ndim == 4:  # [B, 1, L, S] of this rank's queries: every row
-            rows = gather_sequence(mask.to(torch.uint8) if mask.dtype == torch.bool else mask, group, dim=2)
-            kwargs["attention_mask"] = rows.bool() if mask.dtype == torch.bool else rows
+            kwargs["attention_mask"] = _whole_mask(mask, group)
         return args, kwargs
 
     def cut(module, args, kwargs, output):
@@ -143,6 +141,18 @@ def _run_whole(mixer: nn.Module, group) -> None:
     # all-gather over tp runs before this one, its cut after this one
     mixer.register_forward_pre_hook(gather, with_kwargs=True)
     mixer.register_forward_hook(cut, with_kwargs=True, prepend=True)
+
+
+def _whole_mask(mask_B1LS: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's rows of a layer's mask, [B, 1, S, S] in sequence order: gathered once per forward for each mask
+    the model built (its layers of one kind share it)."""
+    for ref, whole in _WHOLE_MASKS:
+        if ref() is mask_B1LS:
+            return whole
+    rows = gather_sequence(mask_B1LS.to(torch.uint8) if mask_B1LS.dtype == torch.bool else mask_B1LS, group, dim=2)
+    whole = rows.bool() if mask_B1LS.dtype == torch.bool else rows
+    _WHOLE_MASKS.append((weakref.ref(mask_B1LS), whole))
+    return whole
 
 
 def _is_tables(value) -> bool:
@@ -179,6 +189,7 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh) -> ContextParallelToken
         B, L = tokens.shape[:2]
         positions = local_positions(L * cp, rank, cp, device=tokens.device)
         _QUERIES[:] = [(positions, L * cp)]
+        _WHOLE_MASKS.clear()
         ones = torch.ones(B, L * cp, dtype=torch.long, device=tokens.device)
         return args, {**kwargs, "position_ids": positions.expand(B, L), "attention_mask": ones, "use_cache": False}
 
@@ -219,7 +230,16 @@ def _attention(module: nn.Module, q_BHLDk: torch.Tensor, k_BHkLDk: torch.Tensor,
         seen = attention_mask
         if kwargs.get("indices") is not None:  # a sparse-attention indexer's top-k keys per query [B, S, k]
             seen = _selected(kwargs["indices"], S) & (_causal(S, q_BHLDk.device) if seen is None else seen)
-        out_BHLDv = _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, None, seen, scaling, softcap, s_aux)
+        if softcap is None and s_aux is None and seen is not None:  # SDPA with the mask: no [B, H, S, S] in fp32
+            repeat = q_BHLDk.shape[1] // k_BHkLDk.shape[1]
+            k, v = (t.repeat_interleave(repeat, dim=1) for t in (k_BHkLDk, v_BHkLDv))
+            out_BHLDv = F.scaled_dot_product_attention(q_BHLDk, k, v, attn_mask=seen, scale=scaling)
+        else:
+            out_BHLDv = _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, None, seen, scaling, softcap, s_aux)
+    elif kwargs.get("indices") is not None:
+        raise ValueError(f"context parallelism: {type(module).__name__} hands the attention a sparse-attention "
+                         f"indexer's picks in a layer not typed indexed_attention, which cp would split without "
+                         f"them; use cp = 1")
     elif attention_mask is None and softcap is None and s_aux is None:
         out_BHLDv = context_parallel_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, scaling)
     else:

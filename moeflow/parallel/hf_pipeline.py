@@ -100,6 +100,12 @@ def carried_state(model_class: type) -> str | None:
     return found.group(0) if found else None
 
 
+def carries_state(model: nn.Module) -> bool:
+    """Whether a transformers model's layers hand each other more than the hidden states (carried_state)."""
+    base = getattr(model, "model", None)
+    return base is not None and carried_state(type(base)) is not None
+
+
 def hf_pipeline_refusal(model: nn.Module, pp_schedule: str) -> str | None:
     """Why this transformers model cannot be split into pipeline stages (None when it can)."""
     name = type(model).__name__
@@ -118,7 +124,8 @@ def hf_pipeline_refusal(model: nn.Module, pp_schedule: str) -> str | None:
     if carried:
         return (f"{name}: its layers hand the next one more than the hidden states, which a pipeline stage does "
                 f"not receive; its loop reads `{carried.split('=')[0].strip()}` from each; use pp = 1")
-    outside = [n for n, _ in model.named_parameters() if not n.startswith(_placed(model))]
+    placed = _placed(model)
+    outside = [n for n, _ in model.named_parameters() if not n.startswith(placed)]
     if outside:
         return (f"{name}: parameters outside the layers, embedding, final norm and head have no pipeline stage; "
                 f"{outside[0]} is one; use pp = 1")

@@ -65,11 +65,17 @@ HF_NAMES = ModuleNames(
     attention_input="hidden_states", per_head_norm_dim=2)
 
 
+# class-name endings of the parts of a layer (or of the model, around its layers) that work token by token: a
+# hyper-connection's stream mixing and its head, a gated or scaled residual (DeepseekV4HyperConnection, HYV4HyperHead,
+# ErgoResidualGate, Qwen4ExpTextGatedResidual, ZayaResidualScaling)
+PER_TOKEN_ENDINGS = ("hyperconnection", "hyperhead", "residualgate", "gatedresidual", "residualscaling")
+
+
 def is_per_token(module: nn.Module) -> bool:
-    """A part of a layer (or of the model, around its layers) that works token by token: an MLP or expert, a
-    hyper-connection's stream mixing or head, a gated or scaled residual, by its class's name."""
+    """A part that works token by token: an MLP or expert, or a class named as one of PER_TOKEN_ENDINGS (not a
+    norm)."""
     name = type(module).__name__.lower()
-    return is_mlp(module) or "hyper" in name or "residual" in name
+    return not is_norm(module) and (is_mlp(module) or name.endswith(PER_TOKEN_ENDINGS))
 
 
 def is_moe(module: nn.Module) -> bool:
@@ -95,9 +101,14 @@ OTHER_MLP_PROJECTIONS = ("w1", "w3", "w2")
 
 def mlp_projections(module: nn.Module, names) -> tuple[str | None, str, str] | None:
     """The names of a dense MLP's (gate, up, down) projections - `names`' or OTHER_MLP_PROJECTIONS; gate None for
-    an ungated MLP (Ergo's ReLU^2) - or None where `module` is no such MLP."""
+    an ungated MLP (Ergo's ReLU^2) - or None where `module` is no such MLP (one with parameters elsewhere, say a
+    norm over the hidden width, would not survive their sharding)."""
     for gate, up, down in ((names.gate, names.up, names.down), OTHER_MLP_PROJECTIONS):
         if hasattr(module, up) and hasattr(module, down):
+            others = [n for n, child in module.named_children() if n not in (gate, up, down)
+                      and any(True for _ in child.parameters())]
+            if others or any(True for _ in module.parameters(recurse=False)):
+                return None
             return (gate if hasattr(module, gate) else None), up, down
     return None
 
@@ -121,6 +132,11 @@ def token_mixers(block: nn.Module, names) -> list[str]:
     skip = {found[0] if found else names.ffn, *beside_moe(block, names)}
     return [name for name, child in block.named_children()
             if name not in skip and not is_norm(child) and any(True for _ in child.parameters())]
+
+
+def sequence_mixers(block: nn.Module, names) -> list[str]:
+    """A block's token mixers that mix the sequence (not its per-token parts)."""
+    return [name for name in token_mixers(block, names) if not is_per_token(getattr(block, name))]
 
 
 def embedding_name(model: nn.Module) -> str | None:

@@ -139,6 +139,11 @@ def context_parallel(b: _Build) -> None:
             (stage,) = b.stages
             b.token_scale = apply_hf_context_parallel(stage, b.state.cp_mesh)
             b.state.cp_whole.update(whole_sequence_mixers(stage))
+            tp_whole = {id(m) for m in b.state.tp_whole.values()}
+            split = [fqn for fqn, m in b.state.cp_whole.items() if b.dims.tp > 1 and id(m) not in tp_whole]
+            if split:  # its cp hooks would gather a tp rank's head shards as if they were the sequence's
+                raise ValueError(f"parallel.cp = {b.dims.cp} with parallel.tp = {b.dims.tp}: {split[0]} runs whole "
+                                 f"under cp but is sharded by tp; use one of the two")
         else:
             b.token_scale = apply_context_parallel(b.stages, b.state.cp_mesh)
 

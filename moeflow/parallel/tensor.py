@@ -65,6 +65,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from moeflow.core.parallel_dims import MLA_TP_UNSUPPORTED
+from moeflow.parallel.hf_pipeline import carries_state
 from moeflow.parallel.module_names import (
     beside_moe,
     ffn_of,
@@ -72,6 +73,7 @@ from moeflow.parallel.module_names import (
     is_norm,
     is_per_token,
     mlp_projections,
+    sequence_mixers,
     token_mixers,
 )
 
@@ -192,6 +194,10 @@ class PerTokenPart(LocalTokens):
         dim = self.sequence_dim
         lengths: list[int] = []
 
+        def local_inputs(mod, args, kwargs):
+            lengths.clear()  # this call's, set by its sequence-sharded inputs
+            return local(args), {k: local(v) for k, v in kwargs.items()}
+
         def local(x):
             if isinstance(x, DTensor):
                 x = x.to_local()
@@ -205,8 +211,7 @@ class PerTokenPart(LocalTokens):
                 return DTensor.from_local(y, device_mesh, [Shard(dim)], run_check=False)
             return y
 
-        module.register_forward_pre_hook(lambda mod, args, kwargs: (local(args), {k: local(v) for k, v in
-                                                                                  kwargs.items()}), with_kwargs=True)
+        module.register_forward_pre_hook(local_inputs, with_kwargs=True)
         module.register_forward_hook(lambda mod, args, kwargs, output: sharded(output), with_kwargs=True)
         return module
 
@@ -479,15 +484,22 @@ def _unplaced_attention_part(model, key: str, block: nn.Module, attention: nn.Mo
 
 
 def _block_norms(layers: dict[str, nn.Module], names) -> list[str]:
-    """The names of the blocks' own norms: the pre-norms, and the post or sandwich norms some architectures add
+    """Plan patterns of the blocks' own norms: the pre-norms, and the post or sandwich norms some architectures add
     (children other than the attention and the FFN whose class is a norm). Each runs on this rank's sequence
-    slice (SequenceParallel)."""
-    found: dict[str, None] = {}
-    for block in layers.values():
+    slice (SequenceParallel): one pattern over all layers for a name, or each layer's own where that name is in
+    some layers a norm that holds an MLP (a per-token part)."""
+    found: dict[str, dict[str, bool]] = {}  # name -> {layer key: a plain norm there}
+    for key, block in layers.items():
         for name, child in block.named_children():
-            if name not in (names.attention, names.ffn) and is_norm(child) and not _holds_linear(child):
-                found[name] = None
-    return list(found)
+            if name not in (names.attention, names.ffn) and is_norm(child):
+                found.setdefault(name, {})[key] = not _holds_linear(child)
+    patterns = []
+    for name, plain in found.items():
+        if all(plain.values()):
+            patterns.append(f"{names.layers}.*.{name}")
+        else:
+            patterns += [f"{names.layers}.{key}.{name}" for key, is_plain in plain.items() if is_plain]
+    return patterns
 
 
 def _holds_linear(module: nn.Module) -> bool:
@@ -519,15 +531,7 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
     return model
 
 
-def _carries_state(model: nn.Module) -> bool:
-    """Whether a transformers model's layers hand each other more than the hidden states (read from its source)."""
-    from moeflow.parallel.hf_pipeline import carried_state
-
-    base = getattr(model, "model", None)
-    return base is not None and carried_state(type(base)) is not None
-
-
-def _refuse_what_reads_the_whole_sequence(model: nn.Module, layers: dict[str, nn.Module], names) -> None:
+def _refuse_inputs_a_slice_cannot_match(model: nn.Module, layers: dict[str, nn.Module], names) -> None:
     """ValueError for what a tp rank's sequence slice cannot feed: parameters the base model applies itself, outside
     any module (Zaya's input scale and bias: plain tensors against the sharded embedding), and an FFN that reads the
     token ids (DeepSeek-V4's hash routing: the ids are the whole sequence's, its tokens the rank's)."""
@@ -543,11 +547,6 @@ def _refuse_what_reads_the_whole_sequence(model: nn.Module, layers: dict[str, nn
         if ffn is not None and "input_ids" in inspect.signature(ffn.forward).parameters:
             raise ValueError(f"{type(model).__name__}: layer {key}'s {type(ffn).__name__} routes by the token ids, "
                              f"which a tp rank's slice of the sequence does not match; {HOW_TO_PASS_A_PLAN}")
-
-
-def _sequence_mixers(block: nn.Module, names) -> list[str]:
-    """A block's token mixers that mix the sequence (not its per-token parts)."""
-    return [name for name in token_mixers(block, names) if not is_per_token(getattr(block, name))]
 
 
 def styled_modules(model: nn.Module, plan: dict[str, ParallelStyle], style: type) -> dict[str, nn.Module]:
@@ -588,34 +587,33 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
         raise ValueError(MLA_TP_UNSUPPORTED)
     layers = {str(k): block for k, block in adapter.blocks().items() if not str(k).startswith("mtp.")}
     head_parameters, whole = _attention_parts(model, layers, names)
-    carried = whole and len(whole) < len(layers) and _carries_state(model)
+    carried = whole and len(whole) < len(layers) and carries_state(model)
     for key, why in whole.items():
         # the one token mixer of the layer runs whole (on every tp rank); moeflow's own attention always fits the
         # plan (unless changed), a layer with more sequence mixers than that has no built-in plan, and neither
         # have whole and sharded layers that hand each other more than the hidden states (an indexer's selection)
-        mixers = len(_sequence_mixers(layers[key], names))
+        mixers = len(sequence_mixers(layers[key], names))
         ffn_only = mixers == 0 and ffn_of(layers[key], names) is not None  # NemotronH's MoE or MLP layers
         if adapter.family == "moeflow" or not (mixers == 1 or ffn_only) or carried:
             raise ValueError(why)
     if adapter.family != "moeflow":
-        _refuse_what_reads_the_whole_sequence(model, layers, names)
-    block = f"{names.layers}.*"
+        _refuse_inputs_a_slice_cannot_match(model, layers, names)
     gather = _attention_gather(names)
     plan: dict[str, ParallelStyle] = {}
     if _module(model, names.embedding) is not None:
         plan[names.embedding] = _embedding_style()
-    plan.update({f"{block}.{norm}": SequenceParallel() for norm in _block_norms(layers, names)})
+    plan.update({pattern: SequenceParallel() for pattern in _block_norms(layers, names)})
     sharded = [key for key in layers if key not in whole]
     # A layer whose token mixer the plan cannot shard (a linear attention, a Mamba mixer, an attention with a
     # sparse-attention indexer) runs that mixer whole on every tp rank, on the all-gathered sequence.
     for key in whole:
-        plan.update({f"{names.layers}.{key}.{name}": WholeMixer() for name in _sequence_mixers(layers[key], names)})
-    # parts beside the mixer that work token by token (hyper-connections, residual gates) run on the rank's tokens
-    per_token = {name: None for layer in layers.values() for name in token_mixers(layer, names)
-                 if is_per_token(getattr(layer, name))}
-    per_token.update({name: None for layer in layers.values() for name, child in layer.named_children()
-                      if is_norm(child) and _holds_linear(child)})  # a norm scaled by an MLP of the token (AXK2)
-    plan.update({f"{block}.{name}": PerTokenPart() for name in per_token})
+        plan.update({f"{names.layers}.{key}.{name}": WholeMixer() for name in sequence_mixers(layers[key], names)})
+    # parts beside the mixer that work token by token (hyper-connections, residual gates; a norm scaled by an MLP of
+    # the token, AXK2's) run on the rank's tokens; each layer's own, as a name may be a mixer in another layer
+    for key, layer in layers.items():
+        per_token = [name for name in token_mixers(layer, names) if is_per_token(getattr(layer, name))]
+        per_token += [name for name, child in layer.named_children() if is_norm(child) and _holds_linear(child)]
+        plan.update({f"{names.layers}.{key}.{name}": PerTokenPart() for name in per_token})
     base = names.layers.rpartition(".")[0]  # and the model's own, around its layers (a hyper-connection's head)
     if base and adapter.family != "moeflow":
         plan.update({f"{base}.{name}": PerTokenPart() for name, child in _module(model, base).named_children()
@@ -631,7 +629,7 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
         name, ffn = ffn_of(layer, names) or (names.ffn, None)
         if ffn is None and not any(True for _ in layer.parameters()):
             return "none", name  # (a pipeline stage's placeholder for another stage's layer)
-        if ffn is None and len(_sequence_mixers(layer, names)) == 1:
+        if ffn is None and len(sequence_mixers(layer, names)) == 1:
             return "none", name  # a layer of its mixer alone (NemotronH's attention and Mamba layers)
         if ffn is not None and is_moe(ffn):
             return "moe", name

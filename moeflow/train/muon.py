@@ -46,7 +46,7 @@ def muon_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Param
     if hasattr(model, "get_output_embeddings"):  # transformers' lm_head
         head = model.get_output_embeddings()
     if isinstance(head, nn.Linear):
-        adamw_ids.add(id(head.weight))
+        adamw_ids |= {id(p) for p in head.parameters()}  # its weight, and a LoRA's factors on it
     adamw_ids |= _hf_router_parameters(model)
     muon, adamw = [], []
     for p in model.parameters():
@@ -68,9 +68,9 @@ def _hf_router_parameters(model: nn.Module) -> set[int]:
             ids |= {id(p) for p in experts.parameters() if p.ndim != 3}
             rows = {1, global_num_experts(experts)}  # the router's rows: every expert, on every rank
             for other in block.children():
-                params = list(other.parameters())
-                if other is not experts and params and all(p.ndim < 2 or p.shape[0] in rows for p in params):
-                    ids |= {id(p) for p in params}
+                base = [p for name, p in other.named_parameters() if "lora_" not in name]  # (a LoRA's factors follow)
+                if other is not experts and base and all(p.ndim < 2 or p.shape[0] in rows for p in base):
+                    ids |= {id(p) for p in other.parameters()}
     return ids
 
 
