@@ -31,10 +31,10 @@ def _spans_tp(mesh, tp_ranks: list[int], cache: dict) -> bool:
 def reduce_tp_partial_grads(state: ParallelState) -> None:
     """Sum over the tp ranks the gradients that are partial there (the folded MoE's router and the per-token parts
     beside a layer's mixer, each tp rank's from its own tokens; FSDP's reduce-scatter sums the shared experts'),
-    and average those of the token mixers that
-    run whole on every tp rank (the same gradient on each, up to the summation order of a GPU kernel's backward:
-    averaged, their copies cannot drift apart), in one flat all-reduce; a no-op otherwise. Once per step: a
-    gradient already reduced (same tensor, same version) is not reduced again, so calling it twice is safe."""
+    and average those of the token mixers that run whole on every tp rank (the same gradient on each, up to the
+    summation order of a GPU kernel's backward: averaged, their copies cannot drift apart), in one flat
+    all-reduce; a no-op otherwise. Once per step: a gradient already reduced (same tensor, same version) is not
+    reduced again, so calling it twice is safe."""
     done = state.tp_reduced
 
     def reduced(p) -> bool:  # this very gradient tensor, unchanged since it was reduced (an id could be reused)

@@ -83,7 +83,8 @@ def hf_context_refusal(model: nn.Module) -> str | None:
 
 def _whole_mixers(model: nn.Module) -> tuple[dict[str, nn.Module], str | None]:
     """({fqn: module} of the sequence mixers that run whole on every cp rank: in each layer of a kind in
-    _WHOLE_LAYERS, its one token mixer other than an MLP; why not, where such a layer has several)."""
+    _WHOLE_LAYERS, its one sequence mixer (its per-token parts stay on the rank's tokens); why not, where such a
+    layer has several or none)."""
     from moeflow.parallel.hf_pipeline import carries_state, is_skipped
     from moeflow.parallel.module_names import HF_NAMES, sequence_mixers
 
@@ -273,7 +274,7 @@ def _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, seen_B1LS, scaling, so
         device = q_BHLDk.device
         q_pos_L1 = (torch.arange(S, device=device) if group is None else
                     local_positions(S, dist.get_rank(group), dist.get_world_size(group), device=device))[:, None]
-        seen_B1LS = (torch.arange(S, device=q_BHLDk.device)[None, :] <= q_pos_L1)[None, None]
+        seen_B1LS = (torch.arange(S, device=device)[None, :] <= q_pos_L1)[None, None]
     scale = Dk ** -0.5 if scaling is None else scaling
     scores_BHLS = (q_BHLDk @ k_BHSDk.transpose(-1, -2)).float() * scale
     if softcap is not None:

@@ -627,8 +627,6 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
 
     def ffn_kind(layer):
         name, ffn = ffn_of(layer, names) or (names.ffn, None)
-        if ffn is None and not any(True for _ in layer.parameters()):
-            return "none", name  # (a pipeline stage's placeholder for another stage's layer)
         if ffn is None and len(sequence_mixers(layer, names)) == 1:
             return "none", name  # a layer of its mixer alone (NemotronH's attention and Mamba layers)
         if ffn is not None and is_moe(ffn):
