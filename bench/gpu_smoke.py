@@ -297,19 +297,23 @@ def train_bf16(python: str, device):
 @check("offload")
 def offload(python: str, device):
     """parallel.offload = 'params' (the shards in pinned host memory, copied to the GPU per layer) and 'optimizer'
-    (AdamW's state and step on the host, the gradients and weights copied once per step): the same losses as
-    without (AdamW on another device: bf16-level agreement), at some speed."""
+    (the optimizer's state and step on the host, the gradients and weights copied once per step), with AdamW and
+    with Muon (its updates to the GPU for Newton-Schulz and back): the same losses as without (the optimizer on
+    another device: bf16-level agreement), at some speed."""
     steps = 10 if device.type == "cuda" else 2
-    plain, losses = _train(python, device, steps, "--parallel.offload=none")
     said = []
-    for mode in ("params", "optimizer"):
-        off, off_losses = _train(python, device, steps, f"--parallel.offload={mode}")
-        worst = max(abs(a - b) / abs(a) for a, b in zip(losses, off_losses))
-        if len(off_losses) != len(losses) or worst > 1e-2:
-            raise AssertionError(f"{mode}: offloaded losses {off_losses} differ from {losses} (relative {worst:.1e})")
-        said.append(f"{mode}: losses within {worst:.1e} over {steps} steps, tokens/s {off['tokens_per_s']:,.0f} "
-                    f"({off['tokens_per_s'] / plain['tokens_per_s']:.2f}x)")
-    return f"{'; '.join(said)}; without offload {plain['tokens_per_s']:,.0f} tokens/s"
+    for optimizer in ("adamw", "muon"):
+        plain, losses = _train(python, device, steps, "--parallel.offload=none", f"--training.optimizer={optimizer}")
+        for mode in ("params", "optimizer"):
+            off, off_losses = _train(python, device, steps, f"--parallel.offload={mode}",
+                                     f"--training.optimizer={optimizer}")
+            worst = max(abs(a - b) / abs(a) for a, b in zip(losses, off_losses))
+            if len(off_losses) != len(losses) or worst > 1e-2:
+                raise AssertionError(f"{optimizer}, {mode}: offloaded losses {off_losses} differ from {losses} "
+                                     f"(relative {worst:.1e})")
+            said.append(f"{optimizer} {mode}: losses within {worst:.1e} over {steps} steps, tokens/s "
+                        f"{off['tokens_per_s']:,.0f} ({off['tokens_per_s'] / plain['tokens_per_s']:.2f}x)")
+    return f"{'; '.join(said)}"
 
 
 @check("hf_parity")

@@ -210,13 +210,14 @@ class ParallelConfig:
     train then starts its ranks through it, also a single one); each restart resumes from the newest complete
     checkpoint. --max-restarts N overrides it."""
     offload: str = "none"
-    """ZeRO-Offload: 'none'; 'optimizer': AdamW's state (and an fp32 master copy) lives in host memory and its step
-    runs there, the weights and gradients stay on the device (each step copies the gradient shards to the host and
-    the updated weights back: 8 bytes per parameter less on the device); or 'params': every rank's shards of the
-    fp32 weights, their gradients and the optimizer state live in host memory (FSDP2's CPUOffloadPolicy), each
-    layer's weights are copied to the device when gathered and its gradient shard back after the reduce-scatter,
-    and the optimizer steps on the host. For a model whose state fits no layout on the devices (`moeflow plan`
-    recommends it then); it trades PCIe traffic and a host optimizer step for device memory."""
+    """ZeRO-Offload: 'none'; 'optimizer': the optimizer's state (AdamW's with an fp32 master copy, Muon's momentum)
+    lives in host memory and its elementwise step runs there (Muon's Newton-Schulz stays on the device), the
+    weights and gradients stay on the device (each step copies the gradient shards to the host and the updated
+    weights, or Muon's updates, back: 8 bytes per parameter less on the device); or 'params': every rank's shards
+    of the fp32 weights, their gradients and the optimizer state live in host memory (FSDP2's CPUOffloadPolicy),
+    each layer's weights are copied to the device when gathered and its gradient shard back after the
+    reduce-scatter, and the optimizer steps on the host. For a model whose state fits no layout on the devices
+    (`moeflow plan` recommends it then); it trades PCIe traffic and a host optimizer step for device memory."""
     cp: int = 1
     """Context-parallel size: each sequence is split over cp ranks (rank r keeps chunks r and 2cp-1-r of 2cp,
     which balances causal attention) and attention all-gathers keys and values over them, for sequences longer
@@ -374,10 +375,6 @@ class JobConfig:
         check_choice("parallel.ep_backend", self.parallel.ep_backend, SETTINGS["parallel.ep_backend"])
         p = self.parallel
         check_choice("parallel.offload", p.offload, SETTINGS["parallel.offload"])
-        if p.offload != "none" and self.training.optimizer == "muon":
-            raise ValueError(f"parallel.offload = {p.offload!r} with training.optimizer = 'muon': Newton-Schulz would "
-                             f"run on the host; use training.optimizer = 'adamw' with offload, or parallel.offload = "
-                             f"'none'")
         if p.ep_overlap_chunks < 1:
             raise ValueError(f"parallel.ep_overlap_chunks must be at least 1, got {p.ep_overlap_chunks}")
         if p.ep_num_worst_tokens not in (0, -1):

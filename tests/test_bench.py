@@ -57,7 +57,7 @@ def test_bench_archs_take_the_names_the_readme_uses():
         moe_layer.parse_archs("Qwen2", moe_layer.ARCHS)
 
 
-@pytest.mark.slow  # 17 s: make test runs it, CI does not
+@pytest.mark.slow  # 60 s: make test runs it, CI does not
 def test_gpu_smoke_script_runs_on_a_cpu():
     """bench/gpu_smoke.py --device cpu (how the GPU smoke script is kept working without a GPU): every check passes
     or skips, one line each, exit 0; the shell wrapper says it skipped on a machine without CUDA."""

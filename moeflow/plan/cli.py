@@ -29,9 +29,10 @@ ASSUMPTIONS = [
     "EP traffic from uniform routing with per-rank dedup inside a node, per-node dedup across nodes",
     "bf16 weights and grads, fp32 AdamW state (16 bytes/param before sharding); fp8/mxfp8 change only the FLOP/s "
     "of the matmuls training.fp8 converts (dense, attention and expert projections); EP traffic stays bf16",
-    "ZeRO-Offload only when nothing fits on the devices: parallel.offload = 'optimizer' (AdamW's state on the host, "
-    "gradients and weights copied once per step) or 'params' (the ZeRO-3 shards on the host, copied per "
-    "micro-batch), the PCIe copies not overlapped, the host's AdamW step at its memory bandwidth",
+    "ZeRO-Offload only when nothing fits on the devices: parallel.offload = 'optimizer' (the optimizer's state on "
+    "the host, gradients and weights or Muon's updates copied once per step) or 'params' (the ZeRO-3 shards on the "
+    "host, copied per micro-batch), the PCIe copies not overlapped, the host's optimizer step at its memory "
+    "bandwidth (Muon's Newton-Schulz on the device)",
     "AdamW's optimizer step and data loading time not modelled; --optimizer muon adds Muon's Newton-Schulz FLOPs "
     "and whole-matrix gathers after backward, not overlapped, and its 8 bytes/param of state for the block "
     "matrices (moeflow.plan.optimizer)",

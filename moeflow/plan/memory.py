@@ -31,7 +31,7 @@ weights, their gradients and the optimizer state (the 16 bytes per parameter abo
 the layers being gathered (`zero3_gather`), activations and buffers; under 'optimizer' (any ZeRO stage, the
 trainer's moeflow/train/offload.py) the device keeps the weights and gradients in fp32 (4 + 4 bytes per parameter:
 the weights are the master copy) and the host an fp32 master copy, the two moments and a gradient buffer (16
-bytes per parameter of the optimizer's shard).
+bytes per parameter of the optimizer's shard; 8 for Muon's parameters: its momentum and the gradient buffer).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from moeflow.core.hardware import RESERVED_GB
 from moeflow.core.model_config import ModelConfig
 from moeflow.core.schedules import pipeline_layout
 from moeflow.plan.layout import Job, Layout
-from moeflow.plan.optimizer import muon_memory_bytes, muon_rank_cost, rank_layers
+from moeflow.plan.optimizer import MUON_STATE_BYTES, muon_memory_bytes, muon_rank_cost, rank_layers
 from moeflow.plan.schedule import in_flight as schedule_in_flight
 
 GB = 1e9
@@ -176,8 +176,11 @@ def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
         layers = [j for span, _, _ in stages for j in span]  # every layer this rank holds
         parts = rank_model_state(job, lay, stages)
         parts["optimizer_step"] = 0.0
+        muon = 0.0  # the Muon parameters of this rank's optimizer shard
         if job.optimizer == "muon":
-            saved, gathered = muon_memory_bytes(muon_rank_cost(job, lay, rank_layers(job, stages)))
+            cost = muon_rank_cost(job, lay, rank_layers(job, stages))
+            saved, gathered = muon_memory_bytes(cost)
+            muon = cost["muon_params"]
             parts["optimizer"] -= saved
             parts["optimizer_step"] = gathered
         in_flight = schedule_in_flight(lay.pp_schedule, lay.pp, lay.stages_per_rank, i, m)
@@ -206,8 +209,8 @@ def memory_per_gpu(job: Job, lay: Layout) -> dict[str, float]:
         if lay.offload == "params":
             host = sum(parts.pop(k) for k in ("params", "grads", "optimizer"))
             parts.update(params=0.0, grads=0.0, optimizer=0.0)
-        elif lay.offload == "optimizer":
-            host = parts["optimizer"] * 16 / 12
+        elif lay.offload == "optimizer":  # AdamW: 16 bytes per parameter; Muon: its momentum and a gradient buffer
+            host = (parts["optimizer"] - MUON_STATE_BYTES * muon) * 16 / 12 + 8 * muon
             parts.update(params=2 * parts["params"], grads=2 * parts["grads"], optimizer=0.0)
         parts = {k: v / GB for k, v in parts.items()}
         parts["reserved"] = RESERVED_GB

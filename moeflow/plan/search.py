@@ -10,7 +10,7 @@ that fits (scoring memory for the others only when the faster ones do not fit: t
 Under flash attention "selective" recomputation is what "none" already does (moeflow.plan.compute), so only none and
 full are listed, the trainer's choices.
 When no layout fits, the layouts are scored again with ZeRO-Offload (moeflow.plan.memory): parallel.offload =
-'optimizer' (AdamW's state in host memory) for every ZeRO stage and 'params' (the shards there) for ZeRO-3.
+'optimizer' (the optimizer's state in host memory) for every ZeRO stage and 'params' (the shards there) for ZeRO-3.
 Feasible = fits in device (and, offloaded, host) memory and the global batch splits into whole micro-batches."""
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def search(job: Job, cons: Constraints | None = None) -> list[Result]:
     if cons:
         cons.check(job)
     scored = [best_of_group(job, group) for group in candidates(job, cons)]
-    if not any(r.feasible for r, _ in scored) and job.optimizer == "adamw":  # the trainer offloads AdamW only
+    if not any(r.feasible for r, _ in scored):
         # ZeRO-Offload only when nothing fits on the devices: it buys memory with PCIe traffic and a host step;
         # the optimizer's state alone (any ZeRO stage, copies once per step) or all of ZeRO-3's shards
         scored += [best_of_group(job, [replace(lay, offload=offload) for lay in group])

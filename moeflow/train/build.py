@@ -107,7 +107,7 @@ def _optimizer(model: torch.nn.Module, t, on_host: bool) -> torch.optim.Optimize
 
         return Muon(*muon_parameters(model), lr=t.lr, adamw_lr=t.muon_adamw_lr or t.lr, weight_decay=t.weight_decay,
                     betas=(t.beta1, t.beta2), momentum=t.muon_momentum, nesterov=t.muon_nesterov,
-                    ns_steps=t.muon_ns_steps, adjust_lr=t.muon_adjust_lr)
+                    ns_steps=t.muon_ns_steps, adjust_lr=t.muon_adjust_lr, on_host=on_host)
     return build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2), on_host)
 
 

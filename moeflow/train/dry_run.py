@@ -7,9 +7,9 @@ memory allocated (the model lives on the meta device). What comes out is what ea
 its peak: parameter counts and parameter / gradient / optimizer bytes (fp32 weights and gradients, AdamW's two
 fp32 moments, Muon's one momentum), for the first rank of every pipeline stage, split into device and host bytes:
 under parallel.offload = 'params' the shards live on the host (as FSDP2's offload policy placed them) and the
-device holds the gathered weights alone; under 'optimizer' the optimizer's state, an fp32 master copy of the
-weights and a gradient buffer live on the host (moeflow/train/offload.py) and the device keeps weights and
-gradients.
+device holds the gathered weights alone; under 'optimizer' the optimizer's state, a gradient buffer and (for
+AdamW's parameters) an fp32 master copy of the weights live on the host (moeflow/train/offload.py) and the device
+keeps weights and gradients.
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ def rank_state(cfg: JobConfig, world_size: int, rank: int) -> dict:
             gathered = (held if held != sharded else _largest_gathered(par.model)) * BYTES["params"]
             device, host = {"params": gathered, "grads": 0, "optimizer": 0}, {
                 "params": sharded * BYTES["params"], "grads": state["grads"], "optimizer": opt_bytes}
-        elif offloaded == "optimizer":  # the optimizer state, its fp32 master weights and a gradient buffer on the host
+        elif offloaded == "optimizer":  # the optimizer state and a gradient buffer on the host, AdamW's fp32 masters
             device = {**state, "optimizer": 0}
-            host = {"params": opt_params * BYTES["params"], "grads": opt_params * BYTES["grads"],
+            masters = sum(_local_numel(p) for g in optimizer.param_groups if not g.get("muon") for p in g["params"])
+            host = {"params": masters * BYTES["params"], "grads": opt_params * BYTES["grads"],
                     "optimizer": opt_bytes}
         else:
             device, host = state, dict.fromkeys(state, 0)
@@ -96,11 +97,9 @@ def _offloaded(model: torch.nn.Module, optimizer) -> str:
     'optimizer' where the optimizer keeps its state there, else 'none'."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from moeflow.train.offload import HostOffloadAdamW
-
     if any(isinstance(g.offload_policy, CPUOffloadPolicy) for g in _param_groups(model)):
         return "params"
-    return "optimizer" if isinstance(optimizer, HostOffloadAdamW) else "none"
+    return "optimizer" if getattr(optimizer, "host", None) is not None else "none"
 
 
 def _largest_gathered(model: torch.nn.Module) -> int:
@@ -146,6 +145,6 @@ def format_dry_run(out: dict) -> str:
         lines.append("  parallel.offload = 'params': the shards, their gradients and the optimizer state in host "
                      "memory; the device holds the gathered weights")
     elif offload == "optimizer":
-        lines.append("  parallel.offload = 'optimizer': AdamW's state, fp32 master weights and a gradient buffer in "
-                     "host memory;\n  the device holds the weights and gradients")
+        lines.append("  parallel.offload = 'optimizer': the optimizer's state, a gradient buffer and AdamW's fp32 "
+                     "master weights in host memory;\n  the device holds the weights and gradients")
     return "\n".join(lines)

@@ -19,6 +19,12 @@ mesh dim by two all-to-alls (`_ShardedMatrices`: the shards to each matrix's own
 under HSDP each replica a share of the matrices, the results summed over the replicas), for those cut over several
 by a gather and a sum (`_orthogonalised`); the updates a rank holds whole are
 orthogonalised stacked by shape (`_LocalMatrices`).
+
+ZeRO-Offload (parallel.offload): under 'optimizer' the momentum, a gradient buffer and the AdamW groups' state
+live in host memory (`on_host`, moeflow/train/offload.py); under 'params' FSDP2 keeps the shards, their gradients
+and so the momentum there. Either way the momentum update runs on the host and each update matrix goes to the
+accelerator for Newton-Schulz and its collectives (`compute_device`): the host's cores would take seconds per
+step over the matrices' five matmuls per iteration.
 docs/design.md, "Optimizers"; its cost per layout: moeflow.plan.optimizer.
 """
 
@@ -28,6 +34,8 @@ import math
 
 import torch
 from torch import nn
+
+from moeflow.train.offload import HostState, local_of
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's (torch.optim.Muon's defaults)
 NS_EPS = 1e-7
@@ -90,6 +98,26 @@ def newton_schulz(update: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     x = x.mT if tall else x
     return x.squeeze(0) if update.ndim == 2 else x
+
+
+def compute_device(p: torch.Tensor) -> torch.device:
+    """Where p's update is orthogonalised: its mesh's device for a DTensor (the accelerator, also when FSDP2 keeps
+    the shard in host memory), else p's own."""
+    from torch.distributed.tensor import DTensor
+
+    return torch.device(p.device_mesh.device_type) if isinstance(p, DTensor) else p.device
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on `device` (a DTensor's shard moved, its mesh and placements kept); t itself where it is there."""
+    from torch.distributed.tensor import DTensor
+
+    if local_of(t).device.type == device.type:
+        return t
+    if isinstance(t, DTensor):
+        return DTensor.from_local(t.to_local().to(device), t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t.to(device)
 
 
 def _orthogonalised(update: torch.Tensor, steps: int, turn: int) -> tuple[torch.Tensor, int]:
@@ -357,7 +385,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, muon_params, adamw_params, *, lr: float, adamw_lr: float, weight_decay: float,
                  betas: tuple[float, float], momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 adjust_lr: str = "match_rms_adamw", eps: float = 1e-8):
+                 adjust_lr: str = "match_rms_adamw", eps: float = 1e-8, on_host: bool = False):
         groups = [{"params": list(muon_params), "muon": True, "lr": lr, "weight_decay": weight_decay}]
         decay = [p for p in adamw_params if p.ndim >= 2]
         no_decay = [p for p in adamw_params if p.ndim < 2]
@@ -366,12 +394,20 @@ class Muon(torch.optim.Optimizer):
         super().__init__([g for g in groups if g["params"]],
                          dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, adjust_lr=adjust_lr,
                               betas=betas, eps=eps))
+        # on_host: the state in host memory (parallel.offload = 'optimizer', moeflow/train/offload.py)
+        self.host = HostState(self) if on_host else None
+
+    def state_like(self, p: torch.Tensor) -> torch.Tensor:
+        """What p's state is loaded into (moeflow/train/state_dict.py): a host tensor where the state lives there."""
+        return self.host.state_like(p) if self.host else p.data
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             if group["muon"]:
                 self._muon_step(group)
+            elif self.host:
+                self.host.adamw([group])
             else:
                 self._adamw_step(group)
 
@@ -381,23 +417,29 @@ class Muon(torch.optim.Optimizer):
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
 
         def apply(p: nn.Parameter, ortho: torch.Tensor) -> None:
-            # a DTensor held whole by one rank (a mesh of 1) was orthogonalised as its local tensor
-            target = p.to_local() if isinstance(p, DTensor) and not isinstance(ortho, DTensor) else p
+            # shard on shard (ortho is laid out as p, or is the local tensor of a p held whole), on p's device
+            target = local_of(p)
             target.mul_(1 - lr * wd)
-            target.add_(ortho.to(target.dtype), alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape[-2:]))
+            target.add_(local_of(ortho).to(target.device, target.dtype),
+                        alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape[-2:]))
 
         local = _LocalMatrices(group["ns_steps"], apply)
         sharded = _ShardedMatrices(group["ns_steps"], apply)
         turn = 0  # matrices orthogonalised so far this step: the owner of the next is turn mod the mesh's size
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - mu)
-            update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+        params = [p for p in group["params"] if p.grad is not None]
+        grads = self.host.copy_grads(params) if self.host else [p.grad for p in params]
+        for p, grad in zip(params, grads):
+            if self.host:
+                buf = self.host.state(p, ("momentum_buffer",), with_step=False)["momentum_buffer"]
+            else:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                buf = self.state[p]["momentum_buffer"]
+            buf.lerp_(grad, 1 - mu)
+            update = grad.lerp(buf, mu) if group["nesterov"] else buf
+            # Newton-Schulz on the accelerator also where the state (offload = 'optimizer') or the shards
+            # themselves (offload = 'params': FSDP2 keeps them on the host) live in host memory
+            update = _on(update, compute_device(p))
             if _ShardedMatrices.sharded_dim(update) is not None:
                 sharded.add(p, update, turn)
                 turn += update.shape[:-2].numel()
