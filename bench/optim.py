@@ -16,7 +16,9 @@ bytes one rank's Muon step sends (counted from its collectives' tensors, ring vo
 tests/support/collective_bytes.py) against moeflow plan's prediction for the layout (moeflow.plan.optimizer). Muon
 runs twice: with the sharded matrices' scheme the trainer uses (each matrix's shards to one owner rank and its
 result back, two all-to-alls: `muon`) and with the one it replaced (every shard to every rank, the results summed:
-`muon-gather`), which chose it. Target (issue): the Muon step <= 1.15x AdamW's at 1 rank.
+`muon-gather`), which chose it. Beside the cases, the optimizer step alone of torch.optim.Muon (torch's
+single-device reference) and of moeflow's Muon over the same 100 2-D matrices and gradients. Target (issue): the
+Muon step <= 1.15x AdamW's at 1 rank.
 """
 
 from __future__ import annotations
@@ -174,13 +176,51 @@ def main(argv=None) -> int:
                 f"{r['planned_mb'] if r['optimizer'] == 'muon' else float('nan'):.3f}" if "sent_mb" in r else "-")
         print(f"{r['case']:<20} {r['optimizer']:<11} {r['step_ms']:>8.1f} {r['optim_ms']:>9.1f} {ns:>7} {mats:>20}"
               f" {ratio:>14.2f} {sent:>29}")
+    reference = _against_torch_muon(repeats)
+    print(f"\nthe optimizer step alone over tiny-moe's {reference['matrices']} matrices (2-D, one thread): "
+          f"torch.optim.Muon {reference['torch_muon_ms']:.1f} ms, moeflow's Muon {reference['moeflow_muon_ms']:.1f} ms")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, **_flops()}
+    meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, **_flops(),
+            "reference": reference}
     (out / "optim.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     _plot(rows, out / "optim.png")
     print(f"\nwrote {out / 'optim.json'} and optim.png")
     return 0
+
+
+def _against_torch_muon(repeats: int) -> dict:
+    """The optimizer step alone of torch.optim.Muon (torch's single-device reference, one matrix at a time) and of
+    moeflow's Muon over the same 2-D matrices (tiny-moe's, each expert its own) and gradients, alternating: what
+    Newton-Schulz costs whoever runs it."""
+    import torch
+
+    from moeflow.core.presets import PRESETS
+    from moeflow.models.transformer import Transformer
+    from moeflow.train.muon import Muon, muon_parameters
+
+    torch.set_num_threads(1)
+    with torch.device("meta"):
+        whole = Transformer(PRESETS["tiny-moe"])
+    shapes = [p.shape[-2:] for p in muon_parameters(whole)[0] for _ in range(p.shape[0] if p.ndim == 3 else 1)]
+    gen = torch.Generator().manual_seed(0)
+    optimizers = {}
+    for name in ("torch", "moeflow"):
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        kw = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
+        optimizers[name] = (torch.optim.Muon(params, adjust_lr_fn="match_rms_adamw", **kw) if name == "torch" else
+                            Muon(params, [], adamw_lr=1e-3, betas=(0.9, 0.95), adjust_lr="match_rms_adamw", **kw))
+    times = {name: [] for name in optimizers}
+    for r in range(repeats + 1):
+        for name, opt in (optimizers.items() if r % 2 == 0 else reversed(optimizers.items())):
+            t0 = time.perf_counter()
+            opt.step()
+            if r:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+    return {"matrices": len(shapes), "torch_muon_ms": 1e3 * statistics.median(times["torch"]),
+            "moeflow_muon_ms": 1e3 * statistics.median(times["moeflow"])}
 
 
 def _flops() -> dict:
