@@ -1,6 +1,6 @@
 """ZeRO-Offload. parallel.offload = 'params' (FSDP2's CPUOffloadPolicy) and 'optimizer' (the optimizer's state
 and step on the host, moeflow/train/offload.py), with AdamW and with Muon: a run trains exactly what the same
-layout trains without it (the same operations, the state in host memory), under dp ZeRO-3, ZeRO-1, ep and tp on
+layout trains without it (the same operations, the state in host memory), under dp ZeRO-3, ZeRO-1, ep, tp and pp on
 2 gloo ranks; the host optimizers are torch.optim.AdamW and moeflow's Muon step for step, their state loads back,
 and a run stopped under them resumes exactly, also under another layout without offload; the dry run reports
 what sits on the host; what offload cannot take is one line."""
@@ -20,7 +20,7 @@ from tests.support.cli import assert_one_line
 from tests.support.model_helpers import steps
 
 LAYOUTS = {"zero3": ["--parallel.zero=3"], "zero1-ep2": ["--parallel.zero=1", "--parallel.ep=2"],
-           "tp2": ["--parallel.tp=2"]}
+           "tp2": ["--parallel.tp=2"], "pp2": ["--parallel.pp=2"]}
 
 
 def test_the_host_optimizer_is_torch_adamw_step_for_step():
