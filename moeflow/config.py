@@ -213,7 +213,8 @@ class ParallelConfig:
     """ZeRO-Offload: 'none'; 'optimizer': the optimizer's state (AdamW's with an fp32 master copy, Muon's momentum)
     lives in host memory and its elementwise step runs there (Muon's Newton-Schulz stays on the device), the
     weights and gradients stay on the device (each step copies the gradient shards to the host and the updated
-    weights, or Muon's updates, back: 8 bytes per parameter less on the device); or 'params': every rank's shards
+    weights, or Muon's updates, back: 8 bytes per AdamW parameter less on the device, 4 per Muon one); or
+    'params': every rank's shards
     of the fp32 weights, their gradients and the optimizer state live in host memory (FSDP2's CPUOffloadPolicy),
     each layer's weights are copied to the device when gathered and its gradient shard back after the
     reduce-scatter, and the optimizer steps on the host. For a model whose state fits no layout on the devices
@@ -480,6 +481,8 @@ class JobConfig:
                else "the multi-token-prediction blocks' attention is not clipped yet" if m.mtp_depth
                else "compiled blocks do not record the logits" if t.compile
                else "a LoRA run keeps the query projections it would scale frozen" if self.peft.method != "none"
+               else f"parallel.offload = {self.parallel.offload!r} keeps the weights it would scale in host memory"
+               if self.parallel.offload != "none"
                else None)
         if why:
             raise ValueError(f"training.muon_clip = {t.muon_clip} for this run: {why}; drop training.muon_clip (Muon "

@@ -35,10 +35,11 @@
   gathers), and each fp32 gradient shard back after its reduce-scatter; under 'optimizer' once per step each fp32
   gradient shard of the optimizer's crosses to the host and its updated fp32 weights back. Either way the AdamW
   step runs on the host, memory-bound: 28 bytes per parameter of its shard (read weight, gradient, two moments;
-  write weight and moments) at the GPU's `host_step_gbps`. Muon's parameters instead take 16 bytes there (read
-  gradient and momentum, write momentum and the update), their fp32 update crosses to the device for
-  Newton-Schulz (in place of the weights under 'optimizer'; under 'params' also its bf16 result back, and the
-  weight's update on the host: 10 bytes more). Not overlapped (an upper bound).
+  write weight and moments) at the GPU's `host_step_gbps`. Muon's parameters instead take 24 bytes there (two
+  passes, each reading gradient and momentum: the momentum's update, then Nesterov's update matrix), their fp32
+  update crosses to the device for Newton-Schulz (in place of the weights under 'optimizer'; under 'params' also
+  its bf16 result back, and the weight's decay and update on the host: 26 bytes more). Not overlapped (an upper
+  bound).
 - The optimizer: AdamW's step (elementwise, on each shard) and data loading are not modelled; Muon adds its
   Newton-Schulz FLOPs and its gathers of whole matrices after backward (moeflow.plan.optimizer), not overlapped.
 """
@@ -247,10 +248,10 @@ def offload_seconds(job: Job, lay: Layout, micro_batches: int) -> float:
         muon = muon_rank_cost(job, lay, rank_layers(job, stages))["muon_params"] if job.optimizer == "muon" else 0
         if lay.offload == "params":
             copied = 3 * micro_batches * 4 * shard + (4 + 2) * muon  # Muon: its update up, the bf16 result down
-            host = 28 * (shard - muon) + (16 + 10) * muon  # Muon: the momentum step, then the weight's update
+            host = 28 * (shard - muon) + (24 + 26) * muon  # Muon: the momentum step, then the weight's update
         else:
             copied = 8 * shard
-            host = 28 * (shard - muon) + 16 * muon
+            host = 28 * (shard - muon) + 24 * muon
         return copied / (job.gpu.pcie_gbps * 1e9) + host / (job.gpu.host_step_gbps * 1e9)
     return max(seconds(stages) for stages in rank_stages(job, lay))
 

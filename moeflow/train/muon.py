@@ -406,10 +406,10 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["muon"]:
                 self._muon_step(group)
-            elif self.host:
-                self.host.adamw([group])
-            else:
+            elif not self.host:
                 self._adamw_step(group)
+        if self.host:  # every AdamW group's gradients down in one wait
+            self.host.adamw([group for group in self.param_groups if not group["muon"]])
 
     def _muon_step(self, group: dict) -> None:
         from torch.distributed.tensor import DTensor

@@ -90,12 +90,14 @@ class HostState:
         return out
 
     def adamw(self, groups: list[dict]) -> None:
-        """AdamW's step for `groups` on the host: gradients down, the update on fp32 masters, the weights back."""
-        for group in groups:
-            params = [p for p in group["params"] if p.grad is not None]
+        """AdamW's step for `groups` on the host: gradients down (one wait for all), the update on fp32 masters,
+        the weights back."""
+        stepped = [(group, [p for p in group["params"] if p.grad is not None]) for group in groups]
+        copied = iter(self.copy_grads([p for _, params in stepped for p in params]))
+        for group, params in stepped:
             if not params:
                 continue
-            grads = [local_of(g) for g in self.copy_grads(params)]
+            grads = [local_of(next(copied)) for _ in params]
             masters, exp_avgs, exp_avg_sqs, steps = [], [], [], []
             for p in params:
                 state = self.state(p, ("exp_avg", "exp_avg_sq"), with_step=True)

@@ -156,7 +156,11 @@ def apply(parts: list[nn.Module], optimizer, flat: dict[str, torch.Tensor]) -> N
             return flat[key]
         full = torch.stack([flat[f"{key}.{expert}"] for expert in ids])
         if isinstance(like, DTensor):  # local chunking only: every rank in the group loaded the same
-            return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+            out = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+            if out.to_local().device != like.to_local().device:  # host shards (parallel.offload): stay there
+                out = DTensor.from_local(out.to_local().to(like.to_local().device), like.device_mesh, like.placements,
+                                         run_check=False, shape=out.shape, stride=out.stride())
+            return out
         return full.to(like.device)
 
     for part in parts:

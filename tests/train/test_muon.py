@@ -161,6 +161,8 @@ def test_layouts_train_the_one_process_muon_run(tmp_path, names):
     ({"training.muon_adjust_lr": "rms"}, 1, r"training.muon_adjust_lr"),
     ({"peft.method": "lora", "training.muon_clip": 100.0}, 1,
      r"training.muon_clip = 100.0 for this run: a LoRA run keeps the query projections it would scale frozen"),
+    ({"parallel.offload": "optimizer", "training.muon_clip": 100.0}, 1,
+     r"training.muon_clip = 100.0 for this run: parallel.offload = 'optimizer' keeps the weights it would scale"),
 ])
 def test_what_is_not_supported_is_one_line(tmp_path, changes, world, message):
     assert_one_line(lambda: load_config(None, _overrides(tmp_path, **changes)).layout(world), message)
