@@ -51,9 +51,10 @@ from moeflow.parallel.context import (
 ATTENTION = "moeflow_context_parallel"
 # layer kinds whose mixing along the sequence is attention under a mask transformers builds, or none at all
 _SPLITTABLE_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "mlp", "moe"}
-# layer kinds whose one sequence mixer runs whole: not attention (linear attention, Mamba, a short convolution),
-# or attention whose sparse-attention indexer picks keys from each query's whole row of scores
-_WHOLE_LAYERS = {"linear_attention", "conv", "indexed_attention"}
+# layer kinds whose sequence mixers run whole: not attention (linear attention, Mamba, a short convolution),
+# attention whose sparse-attention indexer picks keys from each query's whole row of scores, or attention beside
+# short convolutions (Inkling's and Zaya's hybrid layers)
+_WHOLE_LAYERS = {"linear_attention", "conv", "indexed_attention", "hybrid", "hybrid_sliding"}
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> its cp process group
 # the forward under way (set by its pre-hook): its global query positions [L] and the sequence length S
 _QUERIES: list[tuple[torch.Tensor, int]] = []
@@ -83,10 +84,10 @@ def hf_context_refusal(model: nn.Module) -> str | None:
 
 def _whole_mixers(model: nn.Module) -> tuple[dict[str, nn.Module], str | None]:
     """({fqn: module} of the sequence mixers that run whole on every cp rank: in each layer of a kind in
-    _WHOLE_LAYERS, its one sequence mixer (its per-token parts stay on the rank's tokens); why not, where such a
-    layer has several or none)."""
+    _WHOLE_LAYERS, its one sequence mixer, or its several where each takes the hidden states (its per-token parts
+    stay on the rank's tokens); why not, where such a layer has none, or a mixer of another input)."""
     from moeflow.parallel.hf_pipeline import carries_state, is_skipped
-    from moeflow.parallel.module_names import HF_NAMES, sequence_mixers
+    from moeflow.parallel.module_names import HF_NAMES, sequence_mixers, takes_hidden_states
 
     kinds = getattr(model.config.get_text_config(), "layer_types", None) or []
     found = {}
@@ -96,10 +97,12 @@ def _whole_mixers(model: nn.Module) -> tuple[dict[str, nn.Module], str | None]:
         if i >= len(kinds) or kinds[i] not in _WHOLE_LAYERS or is_skipped(block):
             continue
         mixers = sequence_mixers(block, HF_NAMES)
-        if len(mixers) != 1:
+        several = len(mixers) > 1 and all(takes_hidden_states(getattr(block, m)) for m in mixers)
+        if len(mixers) != 1 and not several:
             return {}, (f"{type(model).__name__}: its {kinds[i]} layer {i} has {', '.join(mixers) or 'no part'} "
-                        f"beside its FFN, where context parallelism runs one sequence mixer whole; use cp = 1")
-        found[f"model.layers.{i}.{mixers[0]}"] = getattr(block, mixers[0])
+                        f"beside its FFN, where context parallelism runs whole one sequence mixer, or several that "
+                        f"each take the hidden states; use cp = 1")
+        found.update({f"model.layers.{i}.{m}": getattr(block, m) for m in mixers})
     if found and set(kinds) - _WHOLE_LAYERS - {"mlp", "moe"} and carries_state(model):
         return {}, (f"{type(model).__name__}: its layers hand each other more than the hidden states, and some run "
                     f"whole on every cp rank while others split the sequence; use cp = 1")
@@ -227,20 +230,22 @@ def _attention(module: nn.Module, q_BHLDk: torch.Tensor, k_BHkLDk: torch.Tensor,
                          f"attention_dropout to 0 or use parallel.cp = 1")
     group = _GROUPS[module]
     ((_, S),) = _QUERIES
+    bias = kwargs.get("position_bias")  # [.., L, S] added to the scores (Inkling's relative logits)
     if q_BHLDk.shape[2] == S and k_BHkLDk.shape[2] == S:  # an attention run whole on every rank (_run_whole)
         seen = attention_mask
         if kwargs.get("indices") is not None:  # a sparse-attention indexer's top-k keys per query [B, S, k]
             seen = _selected(kwargs["indices"], S) & (_causal(S, q_BHLDk.device) if seen is None else seen)
-        if softcap is None and s_aux is None and seen is not None:  # SDPA with the mask: no [B, H, S, S] in fp32
+        if softcap is None and s_aux is None and bias is None and seen is not None:
+            # SDPA with the mask: no [B, H, S, S] in fp32
             repeat = q_BHLDk.shape[1] // k_BHkLDk.shape[1]
             k, v = (t.repeat_interleave(repeat, dim=1) for t in (k_BHkLDk, v_BHkLDv))
             out_BHLDv = F.scaled_dot_product_attention(q_BHLDk, k, v, attn_mask=seen, scale=scaling)
         else:
-            out_BHLDv = _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, None, seen, scaling, softcap, s_aux)
-    elif kwargs.get("indices") is not None:
-        raise ValueError(f"context parallelism: {type(module).__name__} hands the attention a sparse-attention "
-                         f"indexer's picks in a layer not typed indexed_attention, which cp would split without "
-                         f"them; use cp = 1")
+            out_BHLDv = _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, None, seen, scaling, softcap, s_aux, bias)
+    elif kwargs.get("indices") is not None or bias is not None:
+        what = "a sparse-attention indexer's picks" if bias is None else "a position bias"
+        raise ValueError(f"context parallelism: {type(module).__name__} hands the attention {what} in a layer "
+                         f"whose attention cp splits, which would lose them; use cp = 1")
     elif attention_mask is None and softcap is None and s_aux is None:
         out_BHLDv = context_parallel_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, scaling)
     else:
@@ -259,11 +264,11 @@ def _causal(S: int, device) -> torch.Tensor:
     return torch.ones(S, S, dtype=torch.bool, device=device).tril()[None, None]
 
 
-def _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, seen_B1LS, scaling, softcap, sinks_H):
+def _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, seen_B1LS, scaling, softcap, sinks_H, bias=None):
     """Attention of this rank's queries over the gathered keys with the mask written out (`seen_B1LS`, or plain
-    causal where None), scores soft-capped, and a per-head sink logit in the softmax's denominator (gpt-oss);
-    `group` None: queries and keys are the whole sequence's already. The [B, H, L, S] scores are materialised:
-    the exact path, not the fast one."""
+    causal where None), a bias added to the scores (whole sequences only), scores soft-capped, and a per-head sink
+    logit in the softmax's denominator (gpt-oss); `group` None: queries and keys are the whole sequence's already.
+    The [B, H, L, S] scores are materialised: the exact path, not the fast one."""
     L, Dk = q_BHLDk.shape[2], k_BHkLDk.shape[-1]
     # as the plain path does: the gather's dtype is the same on every rank, whichever path each takes
     q_BHLDk, k_BHkLDk, v_BHkLDv = (autocast_input(t) for t in (q_BHLDk, k_BHkLDk, v_BHkLDv))
@@ -277,6 +282,8 @@ def _masked_attention(q_BHLDk, k_BHkLDk, v_BHkLDv, group, seen_B1LS, scaling, so
         seen_B1LS = (torch.arange(S, device=device)[None, :] <= q_pos_L1)[None, None]
     scale = Dk ** -0.5 if scaling is None else scaling
     scores_BHLS = (q_BHLDk @ k_BHSDk.transpose(-1, -2)).float() * scale
+    if bias is not None:
+        scores_BHLS = scores_BHLS + bias.float()
     if softcap is not None:
         scores_BHLS = softcap * torch.tanh(scores_BHLS / softcap)
     scores_BHLS = scores_BHLS.masked_fill(~seen_B1LS, float("-inf"))

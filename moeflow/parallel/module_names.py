@@ -9,6 +9,7 @@ classes for them. A leaf: it imports no other part of moeflow.parallel.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from torch import nn
@@ -137,6 +138,12 @@ def token_mixers(block: nn.Module, names) -> list[str]:
 def sequence_mixers(block: nn.Module, names) -> list[str]:
     """A block's token mixers that mix the sequence (not its per-token parts)."""
     return [name for name in token_mixers(block, names) if not is_per_token(getattr(block, name))]
+
+
+def takes_hidden_states(module: nn.Module) -> bool:
+    """Whether `module`'s forward takes the hidden states first: a sequence mixer that mixes what it is handed
+    (not another layer's state), which tensor and context parallelism can run whole beside others."""
+    return next(iter(inspect.signature(module.forward).parameters), None) == "hidden_states"
 
 
 def embedding_name(model: nn.Module) -> str | None:

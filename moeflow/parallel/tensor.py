@@ -48,6 +48,7 @@ block and of the root on the data-parallel mesh, which makes 2-D (dp, tp) DTenso
 
 from __future__ import annotations
 
+import inspect
 from fnmatch import fnmatch
 
 import torch
@@ -74,6 +75,7 @@ from moeflow.parallel.module_names import (
     is_per_token,
     mlp_projections,
     sequence_mixers,
+    takes_hidden_states,
     token_mixers,
 )
 
@@ -131,6 +133,24 @@ class ReplicatedModule(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"ReplicatedModule(sequence_dim={self.sequence_dim})"
+
+
+class WholeEmbedding(ReplicatedModule):
+    """An embedding that holds more than its table (a norm applied to each looked-up row: Inkling's), which a
+    vocab-sharded lookup cannot feed (the partial rows would be normed before they are summed): the whole table on
+    every tp rank, the token ids as they come (every tp rank has them all), the output cut to this rank's
+    sequence slice (its backward all-gathers the gradient, so every rank's table gradient is the same)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def scatter_output(mod, args, output):
+            return DTensor.from_local(output, device_mesh, [Replicate()], run_check=False).redistribute(
+                placements=[Shard(self.sequence_dim)])
+
+        module.register_forward_hook(scatter_output)
+        return module
+
+    def __repr__(self) -> str:
+        return "WholeEmbedding()"
 
 
 class WholeMixer(ReplicatedModule):
@@ -535,8 +555,6 @@ def _refuse_inputs_a_slice_cannot_match(model: nn.Module, layers: dict[str, nn.M
     """ValueError for what a tp rank's sequence slice cannot feed: parameters the base model applies itself, outside
     any module (Zaya's input scale and bias: plain tensors against the sharded embedding), and an FFN that reads the
     token ids (DeepSeek-V4's hash routing: the ids are the whole sequence's, its tokens the rank's)."""
-    import inspect
-
     base = _module(model, names.layers.rpartition(".")[0]) if "." in names.layers else model
     own = [name for name, _ in base.named_parameters(recurse=False)]
     if own:
@@ -589,19 +607,24 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
     head_parameters, whole = _attention_parts(model, layers, names)
     carried = whole and len(whole) < len(layers) and carries_state(model)
     for key, why in whole.items():
-        # the one token mixer of the layer runs whole (on every tp rank); moeflow's own attention always fits the
-        # plan (unless changed), a layer with more sequence mixers than that has no built-in plan, and neither
-        # have whole and sharded layers that hand each other more than the hidden states (an indexer's selection)
-        mixers = len(sequence_mixers(layers[key], names))
-        ffn_only = mixers == 0 and ffn_of(layers[key], names) is not None  # NemotronH's MoE or MLP layers
-        if adapter.family == "moeflow" or not (mixers == 1 or ffn_only) or carried:
+        # the layer's sequence mixers run whole (on every tp rank): its one mixer, or several that each mix the
+        # hidden states they are handed (Inkling's short convolutions beside its attention), not another layer's
+        # state (Inkling2's attention over earlier blocks); moeflow's own attention always fits the plan (unless
+        # changed), and whole and sharded layers that hand each other more than the hidden states (an indexer's
+        # selection) have no built-in plan
+        mixers = [getattr(layers[key], name) for name in sequence_mixers(layers[key], names)]
+        ffn_only = not mixers and ffn_of(layers[key], names) is not None  # NemotronH's MoE or MLP layers
+        several = len(mixers) > 1 and all(map(takes_hidden_states, mixers))
+        if adapter.family == "moeflow" or not (len(mixers) == 1 or several or ffn_only) or carried:
             raise ValueError(why)
     if adapter.family != "moeflow":
         _refuse_inputs_a_slice_cannot_match(model, layers, names)
     gather = _attention_gather(names)
     plan: dict[str, ParallelStyle] = {}
-    if _module(model, names.embedding) is not None:
-        plan[names.embedding] = _embedding_style()
+    embedding = _module(model, names.embedding)
+    if embedding is not None:
+        holds_more = any(True for child in embedding.children() for _ in child.parameters())
+        plan[names.embedding] = WholeEmbedding() if holds_more else _embedding_style()
     plan.update({pattern: SequenceParallel() for pattern in _block_norms(layers, names)})
     sharded = [key for key in layers if key not in whole]
     # A layer whose token mixer the plan cannot shard (a linear attention, a Mamba mixer, an attention with a

@@ -100,6 +100,11 @@ def test_architectures_whose_attention_cannot_be_split_are_refused_in_one_line()
     assert hf_context_refusal(tiny_model("gpt_oss")) is None
     assert hf_context_refusal(tiny_model("jamba")) is None  # its Mamba mixers run whole on every cp rank
     assert hf_context_refusal(tiny_model("glm_moe_dsa")) is None  # its indexer's attention runs whole
+    assert hf_context_refusal(tiny_model("zaya")) is None  # its hybrid layers' mixers run whole
+    assert hf_context_refusal(tiny_model("inkling2")) == (
+        "Inkling2ForCausalLM: its hybrid_sliding layer 0 has mlp_input, self_attn, post_attention_convolution, "
+        "post_mlp_convolution beside its FFN, where context parallelism runs whole one sequence mixer, or several "
+        "that each take the hidden states; use cp = 1")  # mlp_input attends over the earlier layers' states
     why = hf_context_refusal(tiny_model("deepseek_v4"))
     assert why.startswith("DeepseekV4ForCausalLM: its compressed_sparse_attention, heavily_compressed_attention "
                           "layers are neither full, sliding-window or chunked attention, which context parallelism "
@@ -111,5 +116,5 @@ def test_architectures_whose_attention_cannot_be_split_are_refused_in_one_line()
     linear = model.config.layer_types.index("linear_attention")
     model.model.layers[linear].gate = torch.nn.Linear(4, 4)  # a second part beside the mixer: which runs whole?
     assert hf_context_refusal(model) == (f"Qwen3NextForCausalLM: its linear_attention layer {linear} has linear_attn, "
-                                         f"gate beside its FFN, where context parallelism runs one sequence mixer "
-                                         f"whole; use cp = 1")
+                                         f"gate beside its FFN, where context parallelism runs whole one sequence "
+                                         f"mixer, or several that each take the hidden states; use cp = 1")

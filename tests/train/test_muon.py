@@ -125,23 +125,29 @@ def test_a_muon_run_resumes_exactly(tmp_path):
 
 LAYOUTS = {"dp2-zero3": {"parallel.zero": 3}, "ep2": {"parallel.ep": 2}, "tp2": {"parallel.tp": 2},
            "dp2-zero1": {"parallel.zero": 1}, "pp2": {"parallel.pp": 2}, "cp2": {"parallel.cp": 2},
-           "stop": {"parallel.ep": 2, "training.stop_at": 3}}
+           "stop": {"parallel.ep": 2, "training.stop_at": 3},
+           # 4 ranks: pairs (FSDP over TP: matrices cut over two mesh dims, gathered whole and summed)
+           "tp2-dp2": {"parallel.tp": 2}, "ep2-tp2": {"parallel.ep": 2, "parallel.tp": 2},
+           "pp2-dp2": {"parallel.pp": 2}, "hsdp2x2-ep2": {"parallel.dp_replicate": 2, "parallel.ep": 2},
+           "cp2-tp2": {"parallel.cp": 2, "parallel.tp": 2}}
 
 
-@pytest.mark.parametrize("names", [
-    ["dp2-zero3"],
-    pytest.param(["ep2", "tp2", "dp2-zero1", "pp2", "cp2", "stop"], marks=pytest.mark.slow),
-], ids=["fsdp2", "every-layout"])
-def test_layouts_train_the_one_process_muon_run(tmp_path, names):
-    """2 ranks: each matrix gathered whole, orthogonalised by one rank, cut back to the shards - the one-process
-    losses and gradient norms (rtol 1e-5); 'stop' is ep=2 stopped at step 3 and resumed in one process."""
+@pytest.mark.parametrize("world, names", [
+    (2, ["dp2-zero3"]),
+    pytest.param(2, ["ep2", "tp2", "dp2-zero1", "pp2", "cp2", "stop"], marks=pytest.mark.slow),
+    pytest.param(4, ["tp2-dp2", "ep2-tp2", "pp2-dp2", "hsdp2x2-ep2", "cp2-tp2"], marks=pytest.mark.slow),
+], ids=["fsdp2", "every-layout", "pairs"])
+def test_layouts_train_the_one_process_muon_run(tmp_path, world, names):
+    """2 and 4 ranks: each matrix gathered whole, orthogonalised by one rank, cut back to the shards - the
+    one-process losses and gradient norms (rtol 1e-5); 'stop' is ep=2 stopped at step 3 and resumed in one
+    process."""
     import numpy as np
 
     from tests.parallel.layout_worker import launch
 
     train(load_config(None, _overrides(tmp_path / "one")), fresh=True, progress=False)
     argv = lambda run, **more: [f"--{k}={v}" for k, v in _overrides(tmp_path / run, **more).items()]
-    results = launch(2, [(n, argv(n, **LAYOUTS[n]), str(tmp_path / n), False) for n in names])
+    results = launch(world, [(n, argv(n, **LAYOUTS[n]), str(tmp_path / n), False) for n in names])
     assert set(results.values()) == {"ok"}, results
     if "stop" in names:
         train(load_config(None, _overrides(tmp_path / "stop")), resume=True, progress=False)
