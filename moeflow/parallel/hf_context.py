@@ -14,17 +14,18 @@ query index, key index) that says what the architecture wants (causal, a sliding
 - the attention function all-gathers keys and values over the cp group, then lets each local query attend to
   the keys before it (context.context_parallel_attention) where the mask is None and the layer has no attention
   sinks or logit soft-cap, else computes the masked attention over the gathered keys itself.
-So each layer attends as transformers' own mask says, by construction. A layer whose sequence mixer is not
-such attention runs that mixer whole on every cp rank: a linear attention, a Mamba mixer or a short convolution,
-and an attention with a sparse-attention indexer (DeepSeek-V3.2's DSA: it ranks each query's whole row of keys,
-and hands the attention function its top-k `indices`, which the whole-sequence path here turns into the mask
-transformers' eager path builds). A forward pre-hook all-gathers the mixer's input (and the RoPE tables,
-positions and mask rows it is handed) into sequence order, a forward hook cuts this rank's chunks from its
-output; the all-gather's backward sums every rank's gradient of the rank's tokens, and each rank's parameter
-gradients come from its own chunks' outputs, which the gradient reduction over cp adds up as it does the
-attention's. It costs cp times the mixer's compute, and the indexer's attention its [S, S] scores. Other layers
-(hyper-connected hybrid layers, compressed attention) are refused (`hf_context_refusal`), as are layers that
-hand each other state where some run whole and others split.
+So each layer attends as transformers' own mask says, by construction. A layer whose sequence mixer is not such
+attention runs that mixer whole on every cp rank: a linear attention, a Mamba mixer or a short convolution, and an
+attention with a sparse-attention indexer (DeepSeek-V3.2's DSA: it ranks each query's whole row of keys, and hands
+the attention function its top-k `indices`, which the whole-sequence path here turns into the mask transformers'
+eager path builds), and a hybrid layer's attention beside short convolutions (Inkling's: each of its mixers whole,
+an attention's `position_bias` added to the whole sequence's scores). A forward pre-hook all-gathers the mixer's
+input (and the RoPE tables, positions and mask rows it is handed) into sequence order, a forward hook cuts this
+rank's chunks from its output; the all-gather's backward sums every rank's gradient of the rank's tokens, and each
+rank's parameter gradients come from its own chunks' outputs, which the gradient reduction over cp adds up as it
+does the attention's. It costs cp times the mixer's compute, and the indexer's attention its [S, S] scores. Other
+layers (compressed attention, a mixer of another input than the hidden states) are refused (`hf_context_refusal`),
+as are layers that hand each other state where some run whole and others split.
 
 Shape suffixes as in moeflow.parallel.context: B batch, H query heads, Hk key/value heads, L local tokens, S whole
 sequence, Dk query/key width, Dv value width.
