@@ -56,6 +56,9 @@ _SPLITTABLE_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"
 # attention whose sparse-attention indexer picks keys from each query's whole row of scores, or attention beside
 # short convolutions (Inkling's and Zaya's hybrid layers)
 _WHOLE_LAYERS = {"linear_attention", "conv", "indexed_attention", "hybrid", "hybrid_sliding"}
+# what some architectures hand an attention function to change its scores, which `_attention` does not apply
+# (it applies `s_aux` sinks, `softcap`, an indexer's `indices` and `position_bias`): refused rather than dropped
+_SCORE_TERMS = ("sinks", "block_indices", "alibi", "attention_bias", "relative_position_bias")
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> its cp process group
 # the forward under way (set by its pre-hook): its global query positions [L] and the sequence length S
 _QUERIES: list[tuple[torch.Tensor, int]] = []
@@ -71,7 +74,7 @@ def hf_context_refusal(model: nn.Module) -> str | None:
     if others:
         return (f"{name}: its {', '.join(others)} layers are neither full, sliding-window or chunked attention, "
                 f"which context parallelism splits here, nor linear attention, convolutions or indexed attention, "
-                f"which it runs whole; use cp = 1")
+                f"or hybrid layers of attention beside convolutions, which it runs whole; use cp = 1")
     why = _whole_mixers(model)[1]
     if why:
         return why
@@ -135,6 +138,9 @@ def _run_whole(mixer: nn.Module, group) -> None:
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.ndim == 4:  # [B, 1, L, S] of this rank's queries: every row
             kwargs["attention_mask"] = _whole_mask(mask, group)
+        elif isinstance(mask, dict):  # one per kind of mixer (Zaya's causal and sliding masks): each made whole
+            kwargs["attention_mask"] = {kind: _whole_mask(m, group) if isinstance(m, torch.Tensor) and m.ndim == 4
+                                        else m for kind, m in mask.items()}
         return args, kwargs
 
     def cut(module, args, kwargs, output):
@@ -229,6 +235,10 @@ def _attention(module: nn.Module, q_BHLDk: torch.Tensor, k_BHkLDk: torch.Tensor,
     if dropout:
         raise ValueError(f"attention dropout {dropout} under context parallelism; set the architecture's "
                          f"attention_dropout to 0 or use parallel.cp = 1")
+    unknown = [k for k in _SCORE_TERMS if kwargs.get(k) is not None]
+    if unknown:
+        raise ValueError(f"context parallelism: {type(module).__name__} hands the attention {', '.join(unknown)}, "
+                         f"which its attention function does not apply; use cp = 1")
     group = _GROUPS[module]
     ((_, S),) = _QUERIES
     bias = kwargs.get("position_bias")  # [.., L, S] added to the scores (Inkling's relative logits)

@@ -8,6 +8,7 @@ Layout on the tp mesh (B batch, S sequence, D width, V vocab, H query heads, Hk 
 
     tokens [B, S], the same on every tp rank
     -> embedding, vocab rows sharded (RowwiseParallel) -> reduce-scatter -> h [B, S/tp, D]: Shard(1)
+       (an embedding holding more than its table, a norm: whole on every tp rank, its output cut; WholeEmbedding)
     per block
         attention_norm: SequenceParallel (weight replicated, runs on this rank's S/tp positions)
         attention: all-gather S -> wq, wk, wv column-sharded (H/tp, Hk/tp heads per rank) -> SDPA on the local
@@ -137,8 +138,8 @@ class ReplicatedModule(ParallelStyle):
 
 class WholeEmbedding(ReplicatedModule):
     """An embedding that holds more than its table (a norm applied to each looked-up row: Inkling's), which a
-    vocab-sharded lookup cannot feed (the partial rows would be normed before they are summed): the whole table on
-    every tp rank, the token ids as they come (every tp rank has them all), the output cut to this rank's
+    vocab-sharded lookup cannot feed (its output would be partial rows, normed before they are summed): the whole
+    table on every tp rank, the token ids as they come (every tp rank has them all), the output cut to this rank's
     sequence slice (its backward all-gathers the gradient, so every rank's table gradient is the same)."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
@@ -624,6 +625,10 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
     embedding = _module(model, names.embedding)
     if embedding is not None:
         holds_more = any(True for child in embedding.children() for _ in child.parameters())
+        if holds_more and _module(model, names.head) is not None and any(
+                p is embedding.weight for p in _module(model, names.head).parameters()):
+            raise ValueError(f"{type(model).__name__}: an embedding that holds more than its table runs whole on "
+                             f"every tp rank, and the head tied to it is vocab-sharded; {HOW_TO_PASS_A_PLAN}")
         plan[names.embedding] = WholeEmbedding() if holds_more else _embedding_style()
     plan.update({pattern: SequenceParallel() for pattern in _block_norms(layers, names)})
     sharded = [key for key in layers if key not in whole]
@@ -702,8 +707,8 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
 def tp_plan(model: nn.Module, *, loss_parallel: bool = True, fold_experts: bool = False) -> dict[str, ParallelStyle]:
     """The built-in plan for a moeflow Transformer (or a pipeline stage of one) or a Hugging Face decoder LM
     (attention with q/k/v/o projections, gate/up/down MLPs or MoE blocks), one plan under each family's module names
-    (moeflow.parallel.module_names.ModuleNames); in a Hugging Face model, a layer's one token mixer the plan cannot
-    shard runs whole on every tp rank (WholeMixer). ValueError otherwise.
+    (moeflow.parallel.module_names.ModuleNames); in a Hugging Face model, a layer's token mixers the plan cannot
+    shard run whole on every tp rank (WholeMixer). ValueError otherwise.
 
     loss_parallel: the output head leaves vocab-sharded DTensor logits for tp_loss; else plain full logits.
     fold_experts: MoE layers take this rank's sequence slice (LocalTokens; their experts are spread over the tp
