@@ -624,7 +624,7 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
     plan: dict[str, ParallelStyle] = {}
     embedding = _module(model, names.embedding)
     if embedding is not None:
-        holds_more = any(True for child in embedding.children() for _ in child.parameters())
+        holds_more = any(True for _ in embedding.children())  # a norm of the rows, with or without a weight
         if holds_more and _module(model, names.head) is not None and any(
                 p is embedding.weight for p in _module(model, names.head).parameters()):
             raise ValueError(f"{type(model).__name__}: an embedding that holds more than its table runs whole on "

@@ -67,3 +67,20 @@ def test_world4_tp2_with_fsdp2_and_ep():
          tp_worker.case_hf_parallelize, dict(arch="gpt_oss", tp=2, ep=2, ep_over_tp=False)),
     ]
     check_results(tp_worker.launch(4, cases), cases)
+
+
+def test_an_embedding_that_norms_its_rows_runs_whole():
+    """The tp plan of an embedding that norms each looked-up row (Inkling's, with a weight; one without a weight, as
+    MuseSpark's) is WholeEmbedding: a vocab-sharded lookup would norm partial rows before they are summed; a plain
+    embedding stays vocab-sharded (RowwiseParallel)."""
+    import torch
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from moeflow.parallel.tensor import WholeEmbedding, tp_plan
+    from tests.support.hf_tiny import tiny_model
+
+    model = tiny_model("inkling")
+    assert isinstance(tp_plan(model)["model.embed_tokens"], WholeEmbedding)
+    model.model.embed_tokens.embed_norm = torch.nn.RMSNorm(model.config.hidden_size, elementwise_affine=False)
+    assert isinstance(tp_plan(model)["model.embed_tokens"], WholeEmbedding)
+    assert type(tp_plan(tiny_model("gpt_oss"))["model.embed_tokens"]) is RowwiseParallel
