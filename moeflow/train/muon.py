@@ -35,7 +35,7 @@ import math
 import torch
 from torch import nn
 
-from moeflow.train.offload import HostState, local_of
+from moeflow.train.offload import HostState, local_of, placed_as
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's (torch.optim.Muon's defaults)
 NS_EPS = 1e-7
@@ -110,14 +110,7 @@ def compute_device(p: torch.Tensor) -> torch.device:
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """t on `device` (a DTensor's shard moved, its mesh and placements kept); t itself where it is there."""
-    from torch.distributed.tensor import DTensor
-
-    if local_of(t).device.type == device.type:
-        return t
-    if isinstance(t, DTensor):
-        return DTensor.from_local(t.to_local().to(device), t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
-    return t.to(device)
+    return t if local_of(t).device.type == device.type else placed_as(t, local_of(t).to(device))
 
 
 def _orthogonalised(update: torch.Tensor, steps: int, turn: int) -> tuple[torch.Tensor, int]:

@@ -32,8 +32,8 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _host_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` (a host tensor shaped as p's shard) as p is: a DTensor over p's mesh where p is one."""
+def placed_as(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (a tensor shaped as p's shard, on any device) as p is: a DTensor over p's mesh where p is one."""
     if isinstance(p, DTensor):
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
@@ -57,7 +57,7 @@ class HostState:
 
     def state_like(self, p: torch.Tensor) -> torch.Tensor:
         """An uninitialised host tensor shaped as p's state (what a checkpoint's is loaded into)."""
-        return _host_like(p, torch.empty(local_of(p).shape, dtype=torch.float32, device=HOST))
+        return placed_as(p, torch.empty(local_of(p).shape, dtype=torch.float32, device=HOST))
 
     def state(self, p: torch.Tensor, keys: tuple[str, ...], with_step: bool) -> dict:
         """p's state on the host: `keys` created zero (and a step count), or moved there once after a load."""
@@ -66,7 +66,7 @@ class HostState:
             if with_step:
                 state["step"] = torch.tensor(0.0, device=HOST)
             for key in keys:
-                state[key] = _host_like(p, torch.zeros_like(local_of(p), dtype=torch.float32, device=HOST))
+                state[key] = placed_as(p, torch.zeros_like(local_of(p), dtype=torch.float32, device=HOST))
         for key in keys:
             if local_of(state[key]).device != HOST:  # loaded onto the parameter's device (an expert's, resharded)
                 host = self.state_like(p)
@@ -84,9 +84,9 @@ class HostState:
             if p not in self._grads:
                 self._grads[p] = _pinned(local_of(p))
             self._grads[p].copy_(local_of(p.grad), non_blocking=True)
-            out.append(_host_like(p, self._grads[p]))
+            out.append(placed_as(p, self._grads[p]))
         if out and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # every gradient's copy has landed (one wait per step)
+            torch.cuda.current_stream().synchronize()  # every gradient's copy has landed (one wait per call)
         return out
 
     def adamw(self, groups: list[dict]) -> None:

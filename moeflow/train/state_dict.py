@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moeflow.models import lora
 from moeflow.parallel.fp8 import high_precision
+from moeflow.train.offload import placed_as
 
 
 def expert_slices(parts: list[nn.Module]) -> dict[str, tuple[int, int]]:
@@ -158,8 +159,7 @@ def apply(parts: list[nn.Module], optimizer, flat: dict[str, torch.Tensor]) -> N
         if isinstance(like, DTensor):  # local chunking only: every rank in the group loaded the same
             out = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
             if out.to_local().device != like.to_local().device:  # host shards (parallel.offload): stay there
-                out = DTensor.from_local(out.to_local().to(like.to_local().device), like.device_mesh, like.placements,
-                                         run_check=False, shape=out.shape, stride=out.stride())
+                out = placed_as(like, out.to_local().to(like.to_local().device))
             return out
         return full.to(like.device)
 

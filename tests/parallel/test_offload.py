@@ -23,19 +23,16 @@ LAYOUTS = {"zero3": ["--parallel.zero=3"], "zero1-ep2": ["--parallel.zero=1", "-
            "tp2": ["--parallel.tp=2"], "pp2": ["--parallel.pp=2"]}
 
 
-def test_the_host_optimizer_is_torch_adamw_step_for_step():
-    """Two groups (decayed matrices, undecayed vectors), 4 steps of the same random gradients: the same weights as
-    torch.optim.AdamW (multi-tensor) bit for bit; the state sits apart from the weights and a fresh optimizer
-    given its state_dict continues as the first does."""
+def _stepper(shapes):
+    """run(make, steps, state=None, init=None) -> (parameters, optimizer): parameters of `shapes` (from `init`, else
+    seeded random values), the optimizer `make(parameters)` given `state`, stepped on the same seeded gradients."""
     torch.manual_seed(0)
-    shapes = [(6, 5), (5,), (3, 4)]
     start = [torch.randn(s) for s in shapes]
     grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
 
     def run(make, steps, state=None, init=start):
         params = [torch.nn.Parameter(t.detach().clone()) for t in init]
-        groups = [{"params": [params[0], params[2]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0}]
-        opt = make(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+        opt = make(params)
         if state is not None:
             opt.load_state_dict(state)
         for step in steps:
@@ -43,15 +40,27 @@ def test_the_host_optimizer_is_torch_adamw_step_for_step():
                 p.grad = g.clone()
             opt.step()
         return params, opt
+    return run
 
-    want, _ = run(lambda g, **kw: torch.optim.AdamW(g, foreach=True, **kw), range(4))
-    got, opt = run(HostOffloadAdamW, range(4))
+
+def test_the_host_optimizer_is_torch_adamw_step_for_step():
+    """Two groups (decayed matrices, undecayed vectors), 4 steps of the same random gradients: the same weights as
+    torch.optim.AdamW (multi-tensor) bit for bit; the state sits apart from the weights and a fresh optimizer
+    given its state_dict continues as the first does."""
+    def groups(params):
+        return [{"params": [params[0], params[2]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0}]
+
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    run = _stepper([(6, 5), (5,), (3, 4)])
+    want, _ = run(lambda params: torch.optim.AdamW(groups(params), foreach=True, **kw), range(4))
+    got, opt = run(lambda params: HostOffloadAdamW(groups(params), **kw), range(4))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     state = opt.state[got[0]]
     assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and float(state["step"]) == 4
     assert state["exp_avg"].data_ptr() != got[0].data_ptr()
-    halfway, first = run(HostOffloadAdamW, range(2))
-    resumed, _ = run(HostOffloadAdamW, range(2, 4), state=first.state_dict(), init=halfway)
+    halfway, first = run(lambda params: HostOffloadAdamW(groups(params), **kw), range(2))
+    resumed, _ = run(lambda params: HostOffloadAdamW(groups(params), **kw), range(2, 4), state=first.state_dict(),
+                     init=halfway)
     assert all(torch.equal(a, b) for a, b in zip(resumed, want))
 
 
@@ -108,32 +117,21 @@ def test_the_dry_run_puts_the_state_on_the_host():
 def test_host_muon_is_muon_step_for_step():
     """Muon with its state on the host (parallel.offload = 'optimizer'): every matrix, 3-D experts tensor and AdamW
     parameter equals Muon's bit for bit over 4 steps of the same random gradients; the momentum and AdamW's moments
-    sit in host buffers of their own; a fresh host optimizer given its state_dict continues as the first does."""
-    torch.manual_seed(0)
-    shapes = [(6, 5), (3, 4, 5), (5,), (7, 6)]
-    start = [torch.randn(s) for s in shapes]
-    grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
+    sit in host buffers of their own; a fresh host optimizer given its state_dict continues as the first does.
+    (Muon itself is held to torch.optim.Muon and torch.optim.AdamW in tests/train/test_muon.py.)"""
+    def muon(on_host):
+        return lambda params: Muon(params[:2], params[2:], lr=1e-2, adamw_lr=3e-3, weight_decay=0.1,
+                                   betas=(0.9, 0.95), on_host=on_host)
 
-    def run(on_host, steps, state=None, init=start):
-        params = [torch.nn.Parameter(t.detach().clone()) for t in init]
-        opt = Muon(params[:2], params[2:], lr=1e-2, adamw_lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95),
-                   on_host=on_host)
-        if state is not None:
-            opt.load_state_dict(state)
-        for step in steps:
-            for p, g in zip(params, grads[step]):
-                p.grad = g.clone()
-            opt.step()
-        return params, opt
-
-    want, _ = run(False, range(4))
-    got, opt = run(True, range(4))
+    run = _stepper([(6, 5), (3, 4, 5), (5,), (7, 6)])
+    want, _ = run(muon(False), range(4))
+    got, opt = run(muon(True), range(4))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert set(opt.state[got[0]]) == {"momentum_buffer"} and set(opt.state[got[3]]) == {"step", "exp_avg",
                                                                                           "exp_avg_sq"}
     assert opt.state[got[0]]["momentum_buffer"].data_ptr() != got[0].data_ptr()
-    halfway, first = run(True, range(2))
-    resumed, _ = run(True, range(2, 4), state=first.state_dict(), init=halfway)
+    halfway, first = run(muon(True), range(2))
+    resumed, _ = run(muon(True), range(2, 4), state=first.state_dict(), init=halfway)
     assert all(torch.equal(a, b) for a, b in zip(resumed, want))
 
 
