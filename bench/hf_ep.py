@@ -27,7 +27,10 @@ experts of width 256, top-4, vocabulary 2048, 4 x 256 tokens per rank, fp32, one
 each architecture's cases are compared first (same weights, same batch: equal to 1e-5). The cases interleave,
 one step each per repeat; reported: the slowest rank's median step, tokens/s of the slowest rank, each case's ratio
 to the native path and to transformers' own expert parallelism of the same architecture, and each rank's peak
-resident memory (of the whole process, which holds every case).
+resident memory (of the whole process, which holds every case). Then one more step of each case under torch's
+profiler gives its kernel floor: the time of the matmul and attention kernels (FLOOR_OPS), which every program of
+these fp32 models runs whatever its framework; the fastest peer's step over the smallest Qwen3-MoE floor is the
+most any program could gain on that peer here.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ AUTOEP = "qwen3_moe deepspeed-autoep"  # runs in its own venv (bench/hf_ep_autoe
 PEERS = ("transformers-ep", "deepspeed-autoep")
 D, LAYERS, HEADS, KV, HD, E, K, F, V = 256, 4, 8, 2, 32, 16, 4, 256, 2048
 B, S = 4, 256
+# the kernels every implementation of these models runs in fp32 (matmuls, attention): their time in a step is its floor
+FLOOR_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+             "aten::_scaled_dot_product_flash_attention_for_cpu",
+             "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
 
 
 def _configs():
@@ -134,7 +141,12 @@ def _worker(rank: int, folders: dict, repeats: int, tmp: str) -> None:
     for r in range(repeats):
         for case in CASES[r % len(CASES):] + CASES[:r % len(CASES)]:  # rotate the order every repeat
             times[case].append(step(case)[0])
-    out = {"first_loss": first, "median_s": {c: statistics.median(v) for c, v in times.items()},
+    floor = {}
+    for case in CASES:  # after the timed steps: the profiler's bookkeeping slows the step it watches
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step(case)
+        floor[case] = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in FLOOR_OPS) / 1e6
+    out = {"first_loss": first, "median_s": {c: statistics.median(v) for c, v in times.items()}, "floor_s": floor,
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -179,21 +191,29 @@ def main(argv=None) -> int:
              "vs_native": slowest[CASES[0]] / slowest[c] if c.startswith("qwen3_moe") else None,
              "vs_transformers_ep": slowest[f"{c.split()[0]} transformers-ep"] / slowest[c],
              "vs_fastest_peer": fastest_peer(c) / slowest[c],
+             "floor_ms": 1e3 * max(r["floor_s"][c] for r in ranks) if c != AUTOEP else None,
              "peak_rss_mb": [r["peak_rss_mb_autoep" if c == AUTOEP else "peak_rss_mb"] for r in ranks]}
             for c in cases]
+    # The most any program of these fp32 kernels could gain on the fastest Qwen3-MoE peer: its step over the floor
+    floor = min(row["floor_ms"] for row in rows if row["case"].startswith("qwen3_moe") and row["floor_ms"])
+    ceiling = 1e3 * fastest_peer("qwen3_moe native") / floor
     print(f"\nep=2 on 2 gloo ranks, {tokens} tokens per rank, medians of {repeats} interleaved steps; first losses "
           f"(rank 0) {', '.join(f'{c} {v[0]:.6f}' for c, v in first.items())}\n")
     print(f"{'case':<26} {'step ms':>9} {'tokens/s':>9} {'vs native':>10} {'vs transformers-ep':>19} "
-          f"{'vs fastest peer':>16}")
+          f"{'vs fastest peer':>16} {'kernels ms':>11}")
     for row in rows:
         native = f"{row['vs_native']:.2f}" if row["vs_native"] else "-"
+        kernels = f"{row['floor_ms']:.1f}" if row["floor_ms"] else "-"
         print(f"{row['case']:<26} {row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} {native:>10} "
-              f"{row['vs_transformers_ep']:>19.2f} {row['vs_fastest_peer']:>16.2f}")
+              f"{row['vs_transformers_ep']:>19.2f} {row['vs_fastest_peer']:>16.2f} {kernels:>11}")
+    print(f"\nmatmul and attention kernels of a Qwen3-MoE step: {floor:.1f} ms; the fastest peer's step over them: "
+          f"{ceiling:.2f}x, the most any program could gain on it")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "repeats": repeats, "tokens_per_rank": tokens,
             "shape": dict(D=D, layers=LAYERS, heads=HEADS, experts=E, top_k=K, expert_width=F, vocab=V),
-            "first_loss": {c: v[0] for c, v in first.items()}}
+            "first_loss": {c: v[0] for c, v in first.items()}, "kernel_floor_ms": floor,
+            "ceiling_vs_fastest_peer": ceiling}
     (out / "hf_ep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     _plot(rows, out / "hf_ep.png")
     print(f"\nwrote {out / 'hf_ep.json'} and hf_ep.png")
