@@ -398,8 +398,30 @@ class LocalDispatcher:
         return Ready(weighted_sum_back(y_ND, d, x_TD))
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(h1) * h3 with the ops autograd would run (so the same bits), saving only h1 and h3 for backward:
+    autograd's composition also keeps silu(h1), one more [N, F] activation per MoE layer; backward recomputes it,
+    one elementwise op."""
+
+    @staticmethod
+    def forward(ctx, h1, h3):
+        ctx.save_for_backward(h1, h3)
+        return F.silu(h1).mul_(h3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h1, h3 = ctx.saved_tensors
+        grad_h1 = grad_h3 = None
+        if ctx.needs_input_grad[1]:
+            grad_h3 = F.silu(h1).mul_(grad)
+        if ctx.needs_input_grad[0]:
+            grad_h1 = grad * h3
+            torch.ops.aten.silu_backward.grad_input(grad_h1, h1, grad_input=grad_h1)
+        return grad_h1, grad_h3
+
+
 def _swiglu(h1, h3):
-    return F.silu(h1) * h3
+    return _SwiGLU.apply(h1, h3)
 
 
 class GroupedExperts(nn.Module):

@@ -436,3 +436,27 @@ def test_explicit_grouped_mm_with_misaligned_rows_is_refused_by_name():
     x = torch.randn(4, 16).bfloat16()
     with pytest.raises(ValueError, match="expert_impl = 'grouped_mm'.*ffn_dim 12.*'auto'"):
         experts(x, torch.tensor([1, 3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_is_autograds_composition_bit_for_bit_saving_less(dtype):
+    """The experts' SwiGLU gives silu(h1) * h3 and its gradients exactly as autograd composes them, and saves only
+    its inputs for backward (autograd's composition keeps silu(h1) too)."""
+    from moeflow.models.moe import _swiglu
+
+    gen = torch.Generator().manual_seed(0)
+    h1, h3, grad = (torch.randn(37, 24, generator=gen).to(dtype) for _ in range(3))
+
+    def run(fn):
+        a, b = h1.clone().requires_grad_(), h3.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.data_ptr()) or t, lambda t: t):
+            y = fn(a, b)
+        y.backward(grad)
+        return y, a.grad, b.grad, len(set(saved))
+
+    *want, saved_by_autograd = run(lambda a, b: torch.nn.functional.silu(a) * b)
+    *got, saved = run(_swiglu)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    assert (saved, saved_by_autograd) == (2, 3)
