@@ -101,12 +101,12 @@ def _whole_mixers(model: nn.Module) -> tuple[dict[str, nn.Module], str | None]:
         if i >= len(kinds) or kinds[i] not in _WHOLE_LAYERS or is_skipped(block):
             continue
         mixers = sequence_mixers(block, HF_NAMES)
-        several = len(mixers) > 1 and all(takes_hidden_states(getattr(block, m)) for m in mixers)
+        several = len(mixers) > 1 and all(takes_hidden_states(block.get_submodule(m)) for m in mixers)
         if len(mixers) != 1 and not several:
             return {}, (f"{type(model).__name__}: its {kinds[i]} layer {i} has {', '.join(mixers) or 'no part'} "
                         f"beside its FFN, where context parallelism runs whole one sequence mixer, or several that "
                         f"each take the hidden states; use cp = 1")
-        found.update({f"model.layers.{i}.{m}": getattr(block, m) for m in mixers})
+        found.update({f"model.layers.{i}.{m}": block.get_submodule(m) for m in mixers})
     if found and set(kinds) - _WHOLE_LAYERS - {"mlp", "moe"} and carries_state(model):
         return {}, (f"{type(model).__name__}: its layers hand each other more than the hidden states, and some run "
                     f"whole on every cp rank while others split the sequence; use cp = 1")

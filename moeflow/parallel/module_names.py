@@ -85,6 +85,22 @@ def is_moe(module: nn.Module) -> bool:
     return any(isinstance(m, Router) or is_hf_experts(m) for m in module.modules())
 
 
+def named_parts(block: nn.Module):
+    """(name, module) of a block's children, each item of a ModuleList child under its own dotted name (LongCat-Flash's
+    layer holds its two attentions, two MLPs and their norms in lists: self_attn.0, self_attn.1, mlps.0, ...). A
+    part's module is `block.get_submodule(name)`."""
+    for name, child in block.named_children():
+        if isinstance(child, nn.ModuleList):
+            yield from ((f"{name}.{i}", item) for i, item in enumerate(child))
+        else:
+            yield name, child
+
+
+def attentions_of(block: nn.Module, names) -> dict[str, nn.Module]:
+    """{name: attention} of a block: its `names.attention` child, or each item where that child is a ModuleList."""
+    return {name: part for name, part in named_parts(block) if name.partition(".")[0] == names.attention}
+
+
 def ffn_of(block: nn.Module, names) -> tuple[str, nn.Module] | None:
     """(name, module) of a block's FFN: its `names.ffn` child, else the child holding an MoE (transformers names
     some sparse MoE blocks otherwise: granitemoe's block_sparse_moe), else a child with the gate/up/down
@@ -93,7 +109,7 @@ def ffn_of(block: nn.Module, names) -> tuple[str, nn.Module] | None:
     if ffn is not None:
         return names.ffn, ffn
     named = (is_moe, lambda child: mlp_projections(child, names) is not None)  # Jamba's, LFM2's feed_forward
-    return next(((name, child) for found in named for name, child in block.named_children() if found(child)), None)
+    return next(((name, child) for found in named for name, child in named_parts(block) if found(child)), None)
 
 
 # a dense MLP's (gate, up, down) projections where a family names them otherwise: LFM2's (as moeflow's own) w1/w3/w2
@@ -121,8 +137,8 @@ def beside_moe(block: nn.Module, names) -> list[str]:
     found = ffn_of(block, names)
     if found is None or not is_moe(found[1]):
         return []
-    return [name for name, child in block.named_children()
-            if name not in (names.attention, found[0]) and is_mlp(child)]
+    return [name for name, child in named_parts(block)
+            if name.partition(".")[0] != names.attention and name != found[0] and is_mlp(child)]
 
 
 def token_mixers(block: nn.Module, names) -> list[str]:
@@ -131,13 +147,13 @@ def token_mixers(block: nn.Module, names) -> list[str]:
     architecture adds to its layers (hyper-connections, residual gates)."""
     found = ffn_of(block, names)
     skip = {found[0] if found else names.ffn, *beside_moe(block, names)}
-    return [name for name, child in block.named_children()
+    return [name for name, child in named_parts(block)
             if name not in skip and not is_norm(child) and any(True for _ in child.parameters())]
 
 
 def sequence_mixers(block: nn.Module, names) -> list[str]:
     """A block's token mixers that mix the sequence (not its per-token parts)."""
-    return [name for name in token_mixers(block, names) if not is_per_token(getattr(block, name))]
+    return [name for name in token_mixers(block, names) if not is_per_token(block.get_submodule(name))]
 
 
 def takes_hidden_states(module: nn.Module) -> bool:

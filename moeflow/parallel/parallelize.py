@@ -27,7 +27,7 @@ from moeflow.parallel.adapter import ModelAdapter, adapter_for
 from moeflow.parallel.fp8 import apply_fp8
 from moeflow.parallel.hf_experts import is_expert_parallel_hf
 from moeflow.parallel.loss import tp_loss
-from moeflow.parallel.module_names import beside_moe, ffn_of
+from moeflow.parallel.module_names import attentions_of, beside_moe, ffn_of
 from moeflow.parallel.options import ParallelOptions
 from moeflow.parallel.recompute import apply_activation_checkpointing
 from moeflow.parallel.runner import LocalRunner, MTPObjective, local_token_scale
@@ -188,7 +188,7 @@ def fsdp(b: _Build) -> None:
     if dims.tp > 1:  # latent attention's down-projections and norms: whole on each tp rank, gradients partial
         whole = {id(m) for m in b.state.tp_whole.values()}  # (not in an attention that runs whole itself)
         b.state.tp_partial += [p for block in b.blocks().values()
-                               for attention in [getattr(block, b.adapter.names.attention, None)]
+                               for attention in attentions_of(block, b.adapter.names).values()
                                if id(attention) not in whole
                                for m in shared_by_heads(attention) for p in m.parameters()]
     if dims.fold_experts:
@@ -212,7 +212,7 @@ def fsdp(b: _Build) -> None:
                 spread = {id(p) for p in experts}
                 b.state.tp_partial += [p for p in ffn.parameters() if id(p) not in spread]
                 b.state.tp_partial += [p for name in beside_moe(block, b.adapter.names)
-                                       for p in getattr(block, name).parameters()]
+                                       for p in block.get_submodule(name).parameters()]
 
 
 def runner(b: _Build) -> None:

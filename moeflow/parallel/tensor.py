@@ -69,12 +69,14 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from moeflow.core.parallel_dims import MLA_TP_UNSUPPORTED
 from moeflow.parallel.hf_pipeline import carries_state
 from moeflow.parallel.module_names import (
+    attentions_of,
     beside_moe,
     ffn_of,
     is_moe,
     is_norm,
     is_per_token,
     mlp_projections,
+    named_parts,
     sequence_mixers,
     takes_hidden_states,
     token_mixers,
@@ -461,24 +463,27 @@ def _attention_parts(model: nn.Module, layers: dict[str, nn.Module], names) -> t
     whole: dict[str, str] = {}
     first_shape = None
     for key, block in layers.items():
-        attention = getattr(block, names.attention, None)
-        why = _unplaced_attention_part(model, key, block, attention, names, heads)
-        if why is None:
-            shape = (_is_latent(attention), tuple(g for g in ATTENTION_GATES if hasattr(attention, g)))
-            first_shape = first_shape or shape
-            if shape != first_shape:
-                why = (f"{type(model).__name__}: attentions of different shapes (latent, output gates) in one model; "
-                       f"layer {key}'s differs from the first's; {HOW_TO_PASS_A_PLAN}")
-        if why is not None:
-            whole[key] = why
-            continue
-        per_head.update(dict.fromkeys(name for name, _ in attention.named_parameters(recurse=False)))
+        attentions = attentions_of(block, names) or {names.attention: None}
+        for name, attention in attentions.items():
+            why = _unplaced_attention_part(model, key, block, name, attention, names, heads)
+            if why is None:
+                shape = (_is_latent(attention), tuple(g for g in ATTENTION_GATES if hasattr(attention, g)))
+                first_shape = first_shape or shape
+                if shape != first_shape:
+                    why = (f"{type(model).__name__}: attentions of different shapes (latent, output gates) in one "
+                           f"model; layer {key}'s {name} differs from the first's; {HOW_TO_PASS_A_PLAN}")
+            if why is not None:
+                whole[key] = why
+                break
+        else:
+            for attention in attentions.values():
+                per_head.update(dict.fromkeys(name for name, _ in attention.named_parameters(recurse=False)))
     return tuple(per_head), whole
 
 
-def _unplaced_attention_part(model, key: str, block: nn.Module, attention: nn.Module | None, names,
+def _unplaced_attention_part(model, key: str, block: nn.Module, name: str, attention: nn.Module | None, names,
                              heads: int | None) -> str | None:
-    """Why the plan cannot shard layer `key`'s attention (None: it can)."""
+    """Why the plan cannot shard layer `key`'s attention `name` (None: it can)."""
     projections = (names.q, names.k, names.v, names.o)
     placed = (*projections, *(n for pair in QK_NORMS for n in pair), *ATTENTION_GATES,
               *MLA_PER_HEAD, *MLA_SHARED, *MLA_NORMS)
@@ -489,18 +494,18 @@ def _unplaced_attention_part(model, key: str, block: nn.Module, attention: nn.Mo
                  f"layer {key} has none (its parts: {', '.join(n for n, _ in block.named_children())})")
         return (f"{type(model).__name__}: an attention without {'/'.join(projections)} (or latent attention's "
                 f"kv_a_proj_with_mqa/kv_b_proj) has no built-in tensor-parallel plan; {which}; {HOW_TO_PASS_A_PLAN}")
-    for name, child in attention.named_children():
+    for part, child in attention.named_children():
         gate_widths = (heads, heads * getattr(attention, "head_dim", 0)) if heads else ()
-        if name in ATTENTION_GATES and not (isinstance(child, nn.Linear) and child.out_features in gate_widths):
+        if part in ATTENTION_GATES and not (isinstance(child, nn.Linear) and child.out_features in gate_widths):
             return (f"{type(model).__name__}: an attention gate that is not one value or one head's width per query "
-                    f"head; layer {key}'s {names.attention}.{name} ({type(child).__name__}); {HOW_TO_PASS_A_PLAN}")
-        if name not in placed and any(True for _ in child.parameters()):
+                    f"head; layer {key}'s {name}.{part} ({type(child).__name__}); {HOW_TO_PASS_A_PLAN}")
+        if part not in placed and any(True for _ in child.parameters()):
             return (f"{type(model).__name__}: an attention submodule the built-in tensor-parallel plan does not "
-                    f"place; layer {key}'s {names.attention}.{name} ({type(child).__name__}); {HOW_TO_PASS_A_PLAN}")
-    for name, p in attention.named_parameters(recurse=False):
+                    f"place; layer {key}'s {name}.{part} ({type(child).__name__}); {HOW_TO_PASS_A_PLAN}")
+    for part, p in attention.named_parameters(recurse=False):
         if heads is None or p.ndim == 0 or p.shape[0] != heads:
             return (f"{type(model).__name__}: an attention parameter that is neither a projection's nor one row per "
-                    f"head; layer {key}'s {name} {tuple(p.shape)}; {HOW_TO_PASS_A_PLAN}")
+                    f"head; layer {key}'s {name}.{part} {tuple(p.shape)}; {HOW_TO_PASS_A_PLAN}")
     return None
 
 
@@ -511,8 +516,8 @@ def _block_norms(layers: dict[str, nn.Module], names) -> list[str]:
     some layers a norm that holds an MLP (a per-token part)."""
     found: dict[str, dict[str, bool]] = {}  # name -> {layer key: a plain norm there}
     for key, block in layers.items():
-        for name, child in block.named_children():
-            if name not in (names.attention, names.ffn) and is_norm(child):
+        for name, child in named_parts(block):
+            if name.partition(".")[0] not in (names.attention, names.ffn) and is_norm(child):
                 found.setdefault(name, {})[key] = not _holds_linear(child)
     patterns = []
     for name, plain in found.items():
@@ -613,7 +618,7 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
         # state (Inkling2's attention over earlier blocks); moeflow's own attention always fits the plan (unless
         # changed), and whole and sharded layers that hand each other more than the hidden states (an indexer's
         # selection) have no built-in plan
-        mixers = [getattr(layers[key], name) for name in sequence_mixers(layers[key], names)]
+        mixers = [layers[key].get_submodule(name) for name in sequence_mixers(layers[key], names)]
         ffn_only = not mixers and ffn_of(layers[key], names) is not None  # NemotronH's MoE or MLP layers
         several = len(mixers) > 1 and all(map(takes_hidden_states, mixers))
         if adapter.family == "moeflow" or not (len(mixers) == 1 or several or ffn_only) or carried:
@@ -639,17 +644,19 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
     # parts beside the mixer that work token by token (hyper-connections, residual gates; a norm scaled by an MLP of
     # the token, AXK2's) run on the rank's tokens; each layer's own, as a name may be a mixer in another layer
     for key, layer in layers.items():
-        per_token = [name for name in token_mixers(layer, names) if is_per_token(getattr(layer, name))]
-        per_token += [name for name, child in layer.named_children() if is_norm(child) and _holds_linear(child)]
+        per_token = [name for name in token_mixers(layer, names) if is_per_token(layer.get_submodule(name))]
+        per_token += [name for name, child in named_parts(layer) if is_norm(child) and _holds_linear(child)]
         plan.update({f"{names.layers}.{key}.{name}": PerTokenPart() for name in per_token})
     base = names.layers.rpartition(".")[0]  # and the model's own, around its layers (a hyper-connection's head)
     if base and adapter.family != "moeflow":
         plan.update({f"{base}.{name}": PerTokenPart() for name, child in _module(model, base).named_children()
                      if is_per_token(child) and any(True for _ in child.parameters())})
     if sharded:
-        first_attention = getattr(layers[sharded[0]], names.attention)
-        attns = ([f"{names.layers}.*.{names.attention}"] if not whole else
-                 [f"{names.layers}.{key}.{names.attention}" for key in sharded])
+        # every attention of a sharded layer (two in LongCat-Flash's) takes the first one's plan
+        first_attention = next(iter(attentions_of(layers[sharded[0]], names).values()))
+        same = not whole and len({tuple(attentions_of(layer, names)) for layer in layers.values()}) == 1
+        attns = ([f"{names.layers}.*.{name}" for name in attentions_of(layers[sharded[0]], names)] if same else
+                 [f"{names.layers}.{key}.{name}" for key in sharded for name in attentions_of(layers[key], names)])
         for attn in attns:
             plan.update(_attention_plan(attn, first_attention, gather, head_parameters, names))
 

@@ -167,7 +167,7 @@ def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_p
     (2, {"tp2": ("qwen3_next", {"parallel.tp": 2}), "cp2": ("qwen3_next", {"parallel.cp": 2}),
          "dsa-cp2": ("glm_moe_dsa", {"parallel.cp": 2}), "gated-tp2": ("ergo", {"parallel.tp": 2}),
          "w123-tp2": ("lfm2_moe", {"parallel.tp": 2}), "hybrid-tp2": ("inkling", {"parallel.tp": 2}),
-         "hybrid-cp2": ("inkling", {"parallel.cp": 2})}),
+         "hybrid-cp2": ("inkling", {"parallel.cp": 2}), "lists-tp2": ("longcat_flash", {"parallel.tp": 2})}),
     pytest.param(4, {"tp2-cp2": ("qwen3_next", {"parallel.tp": 2, "parallel.cp": 2})}, marks=pytest.mark.slow),
 ], ids=["tp2-and-cp2", "tp2-x-cp2"])
 def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_and_context_parallelism(tmp_path, capfd, world, runs):
@@ -178,8 +178,9 @@ def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_and_context_parall
     residual gates run on the rank's tokens (their gradients summed over tp) and its ReLU^2 MLP is sharded, and
     LFM2's short convolutions and attention under tp with its w1/w2/w3 MLP sharded, and Inkling's attention
     (relative position logits, short convolutions on its keys and values) and the short convolutions beside it
-    under tp and cp, with its normed embedding whole on every tp rank. tp=2, cp=2 and both train the one-process
-    losses and gradient norms, and rank 0 says which mixers run whole."""
+    under tp and cp, with its normed embedding whole on every tp rank, and LongCat-Flash's two latent attentions
+    per layer (held in a ModuleList, as are its two MLPs and their norms) sharded by heads. tp=2, cp=2 and both
+    train the one-process losses and gradient norms, and rank 0 says which mixers run whole."""
     from tests.parallel.layout_worker import launch
 
     folders = {arch: _tiny_folder(arch, tmp_path / arch) for arch in {arch for arch, _ in runs.values()}}
