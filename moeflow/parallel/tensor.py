@@ -405,6 +405,21 @@ class HeadShardedParameters(ParallelStyle):
         return f"HeadShardedParameters({self.names})"
 
 
+class ReplicatedParameters(ParallelStyle):
+    """A module's own parameters (not its children's) as Replicate DTensors: the base model's input scale and bias
+    (Zaya's), which it applies to the sequence-sharded embedding output itself, outside any module. DTensor's
+    arithmetic then keeps the activation sharded and sums the parameters' gradients over tp."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), device_mesh, [Replicate()]),
+                                                         requires_grad=param.requires_grad))
+        return module
+
+    def __repr__(self) -> str:
+        return "ReplicatedParameters()"
+
+
 class Styles(ParallelStyle):
     """Several styles on one module, applied in order (a plan holds one style per module pattern)."""
 
@@ -558,14 +573,8 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
 
 
 def _refuse_inputs_a_slice_cannot_match(model: nn.Module, layers: dict[str, nn.Module], names) -> None:
-    """ValueError for what a tp rank's sequence slice cannot feed: parameters the base model applies itself, outside
-    any module (Zaya's input scale and bias: plain tensors against the sharded embedding), and an FFN that reads the
-    token ids (DeepSeek-V4's hash routing: the ids are the whole sequence's, its tokens the rank's)."""
-    base = _module(model, names.layers.rpartition(".")[0]) if "." in names.layers else model
-    own = [name for name, _ in base.named_parameters(recurse=False)]
-    if own:
-        raise ValueError(f"{type(model).__name__}: parameters the model applies outside its modules "
-                         f"({', '.join(own)}) would mix plain and sequence-sharded tensors; {HOW_TO_PASS_A_PLAN}")
+    """ValueError for what a tp rank's sequence slice cannot feed: an FFN that reads the token ids (DeepSeek-V4's
+    hash routing: the ids are the whole sequence's, its tokens the rank's)."""
     for key, layer in layers.items():
         _, ffn = ffn_of(layer, names) or (None, None)
         if ffn is not None and "input_ids" in inspect.signature(ffn.forward).parameters:
@@ -651,6 +660,8 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
     if base and adapter.family != "moeflow":
         plan.update({f"{base}.{name}": PerTokenPart() for name, child in _module(model, base).named_children()
                      if is_per_token(child) and any(True for _ in child.parameters())})
+        if any(True for _ in _module(model, base).parameters(recurse=False)):  # applied outside any module (Zaya's)
+            plan[base] = ReplicatedParameters()
     if sharded:
         # every attention of a sharded layer (two in LongCat-Flash's) takes the first one's plan
         first_attention = next(iter(attentions_of(layers[sharded[0]], names).values()))
