@@ -49,7 +49,6 @@ block and of the root on the data-parallel mesh, which makes 2-D (dp, tp) DTenso
 
 from __future__ import annotations
 
-import inspect
 from fnmatch import fnmatch
 
 import torch
@@ -189,11 +188,19 @@ class LocalTokens(ParallelStyle):
             return DTensor.from_local(y, device_mesh, sequence_sharded, run_check=False)
 
         def local_input(mod, args, kwargs):
+            if "input_ids" in kwargs:  # an MoE routed by the token ids (DeepSeek-V4's hash routing): this rank's
+                kwargs = {**kwargs, "input_ids": local_ids(kwargs["input_ids"])}
             if args:
                 return (local(args[0]), *args[1:]), kwargs
             if "hidden_states" in kwargs:
                 return args, {**kwargs, "hidden_states": local(kwargs["hidden_states"])}
             raise ValueError(f"LocalTokens: {type(mod).__name__} got no positional input nor hidden_states=")
+
+        def local_ids(ids):
+            # the whole sequence's [B, S] ids, cut as Shard(dim) cuts the hidden states (torch.chunk's sizes)
+            if not isinstance(ids, torch.Tensor) or ids.ndim <= self.sequence_dim:
+                return ids
+            return ids.chunk(device_mesh.size(), dim=self.sequence_dim)[device_mesh.get_local_rank()]
 
         def sharded_output(mod, args, kwargs, output):
             return (to_dtensor(output[0]), *output[1:]) if isinstance(output, tuple) else to_dtensor(output)
@@ -572,16 +579,6 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
     return model
 
 
-def _refuse_inputs_a_slice_cannot_match(model: nn.Module, layers: dict[str, nn.Module], names) -> None:
-    """ValueError for what a tp rank's sequence slice cannot feed: an FFN that reads the token ids (DeepSeek-V4's
-    hash routing: the ids are the whole sequence's, its tokens the rank's)."""
-    for key, layer in layers.items():
-        _, ffn = ffn_of(layer, names) or (None, None)
-        if ffn is not None and "input_ids" in inspect.signature(ffn.forward).parameters:
-            raise ValueError(f"{type(model).__name__}: layer {key}'s {type(ffn).__name__} routes by the token ids, "
-                             f"which a tp rank's slice of the sequence does not match; {HOW_TO_PASS_A_PLAN}")
-
-
 def styled_modules(model: nn.Module, plan: dict[str, ParallelStyle], style: type) -> dict[str, nn.Module]:
     """{fqn: module} of the modules `plan` gives `style`: the token mixers it runs whole on every tp rank
     (WholeMixer), the per-token parts it runs on the rank's tokens (PerTokenPart)."""
@@ -632,8 +629,6 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
         several = len(mixers) > 1 and all(map(takes_hidden_states, mixers))
         if adapter.family == "moeflow" or not (len(mixers) == 1 or several or ffn_only) or carried:
             raise ValueError(why)
-    if adapter.family != "moeflow":
-        _refuse_inputs_a_slice_cannot_match(model, layers, names)
     gather = _attention_gather(names)
     plan: dict[str, ParallelStyle] = {}
     embedding = _module(model, names.embedding)

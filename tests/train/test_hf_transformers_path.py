@@ -147,17 +147,14 @@ def _tiny_folder(arch: str, path):
 
 
 def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_path):
-    """An MoE that routes by the token ids (DeepSeek-V4's hash routing), and a layer whose attention would run whole
-    among sharded ones that hand it their indexer's selection (Kolibri): each refused before any rank, found from
-    the architecture's modules on the meta device."""
-    for arch, why in (("deepseek_v4", "layer 0's DeepseekV4SparseMoeBlock routes by the token ids"),
-                      ("kolibri1_1", "an attention without q_proj/k_proj/v_proj/o_proj \\(or latent attention's "
-                                     "kv_a_proj_with_mqa/kv_b_proj\\) has no built-in tensor-parallel plan; layer 3's "
-                                     "is Kolibri1_1Attention")):
-        folder = _tiny_folder(arch, tmp_path / arch)
-        overrides = {**_overrides(folder, tmp_path / "r"), "parallel.tp": 2}
-        assert_one_line(lambda o=overrides: load_config(None, o).layout(2),
-                        rf"parallel.tp = 2 for \w+ForCausalLM on transformers' own modules: .*{why}")
+    """A layer whose attention would run whole among sharded ones that hand it their indexer's selection (Kolibri):
+    refused before any rank, found from the architecture's modules on the meta device."""
+    why = ("an attention without q_proj/k_proj/v_proj/o_proj \\(or latent attention's kv_a_proj_with_mqa/kv_b_proj\\) "
+           "has no built-in tensor-parallel plan; layer 3's is Kolibri1_1Attention")
+    folder = _tiny_folder("kolibri1_1", tmp_path / "kolibri1_1")
+    overrides = {**_overrides(folder, tmp_path / "r"), "parallel.tp": 2}
+    assert_one_line(lambda: load_config(None, overrides).layout(2),
+                    rf"parallel.tp = 2 for Kolibri1_1ForCausalLM on transformers' own modules: .*{why}")
 
 
 @pytest.mark.parametrize("world, runs", [
@@ -165,7 +162,7 @@ def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_p
          "dsa-cp2": ("glm_moe_dsa", {"parallel.cp": 2}), "gated-tp2": ("ergo", {"parallel.tp": 2}),
          "w123-tp2": ("lfm2_moe", {"parallel.tp": 2}), "hybrid-tp2": ("inkling", {"parallel.tp": 2}),
          "hybrid-cp2": ("inkling", {"parallel.cp": 2}), "lists-tp2": ("longcat_flash", {"parallel.tp": 2}),
-         "scaled-input-tp2": ("zaya", {"parallel.tp": 2})}),
+         "scaled-input-tp2": ("zaya", {"parallel.tp": 2}), "hash-routed-tp2": ("deepseek_v4", {"parallel.tp": 2})}),
     pytest.param(4, {"tp2-cp2": ("qwen3_next", {"parallel.tp": 2, "parallel.cp": 2})}, marks=pytest.mark.slow),
 ], ids=["tp2-and-cp2", "tp2-x-cp2"])
 def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_and_context_parallelism(tmp_path, capfd, world, runs):
@@ -179,7 +176,8 @@ def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_and_context_parall
     under tp and cp, with its normed embedding whole on every tp rank, and LongCat-Flash's two latent attentions
     per layer (held in a ModuleList, as are its two MLPs and their norms) sharded by heads, and Zaya's input scale
     and bias, which its model applies outside any module, replicated DTensors on the sharded embedding output
-    (its CCA attention whole). tp=2, cp=2 and both
+    (its CCA attention whole), and DeepSeek-V4's MoE routed by the token ids, handed the ids of the rank's tokens.
+    tp=2, cp=2 and both
     train the one-process losses and gradient norms, and rank 0 says which mixers run whole."""
     from tests.parallel.layout_worker import launch
 
