@@ -133,22 +133,32 @@ def mlp_projections(module: nn.Module, names) -> tuple[str | None, str, str] | N
 def beside_moe(block: nn.Module, names) -> list[str]:
     """Names of a block's children that run beside its MoE block on the same input, outside it (Granite-MoE's
     shared_mlp, a shared expert the layer adds to the MoE's output): the MLPs other than the FFN in a block whose
-    FFN is an MoE. They take the MoE block's style."""
+    FFN is an MoE, but for dense FFNs of their own (other_ffns). They take the MoE block's style."""
     found = ffn_of(block, names)
     if found is None or not is_moe(found[1]):
         return []
-    return [name for name, child in named_parts(block)
-            if name.partition(".")[0] != names.attention and name != found[0] and is_mlp(child)]
+    return [name for name, child in named_parts(block) if name.partition(".")[0] not in (names.attention, found[0])
+            and is_mlp(child) and mlp_projections(child, names) is None]
+
+
+def other_ffns(block: nn.Module, names) -> list[str]:
+    """Names of a block's dense gate/up/down MLPs other than its FFN (LongCat-Flash's mlps.0 and mlps.1, each after
+    one of its two attentions, beside the MoE that is its FFN): each is sharded as a dense FFN is."""
+    found = ffn_of(block, names)
+    ffn = found[0] if found else names.ffn
+    return [name for name, child in named_parts(block) if name.partition(".")[0] not in (names.attention, ffn)
+            and is_mlp(child) and mlp_projections(child, names) is not None]
 
 
 def token_mixers(block: nn.Module, names) -> list[str]:
-    """The children of a block with parameters but its norms, its FFN and the MLPs beside its MoE: its attention,
-    or what stands in for one (a linear attention, a Mamba mixer, a short convolution), and whatever else an
-    architecture adds to its layers (hyper-connections, residual gates)."""
+    """The children of a block with parameters but its norms, its FFN, the MLPs beside its MoE and its other dense
+    FFNs: its attention, or what stands in for one (a linear attention, a Mamba mixer, a short convolution), and
+    whatever else an architecture adds to its layers (hyper-connections, residual gates)."""
     found = ffn_of(block, names)
-    skip = {found[0] if found else names.ffn, *beside_moe(block, names)}
-    return [name for name, child in named_parts(block)
-            if name not in skip and not is_norm(child) and any(True for _ in child.parameters())]
+    skip = {*beside_moe(block, names), *other_ffns(block, names)}
+    ffn = found[0] if found else names.ffn
+    return [name for name, child in named_parts(block) if name not in skip and name.partition(".")[0] != ffn
+            and not is_norm(child) and any(True for _ in child.parameters())]
 
 
 def sequence_mixers(block: nn.Module, names) -> list[str]:

@@ -76,6 +76,7 @@ from moeflow.parallel.module_names import (
     is_per_token,
     mlp_projections,
     named_parts,
+    other_ffns,
     sequence_mixers,
     takes_hidden_states,
     token_mixers,
@@ -188,19 +189,24 @@ class LocalTokens(ParallelStyle):
             return DTensor.from_local(y, device_mesh, sequence_sharded, run_check=False)
 
         def local_input(mod, args, kwargs):
-            if "input_ids" in kwargs:  # an MoE routed by the token ids (DeepSeek-V4's hash routing): this rank's
-                kwargs = {**kwargs, "input_ids": local_ids(kwargs["input_ids"])}
+            if kwargs.get("input_ids") is not None:  # an MoE routed by the token ids (DeepSeek-V4's hash routing)
+                x = args[0] if args else kwargs.get("hidden_states")
+                kwargs = {**kwargs, "input_ids": local_ids(mod, kwargs["input_ids"], x)}
             if args:
                 return (local(args[0]), *args[1:]), kwargs
             if "hidden_states" in kwargs:
                 return args, {**kwargs, "hidden_states": local(kwargs["hidden_states"])}
             raise ValueError(f"LocalTokens: {type(mod).__name__} got no positional input nor hidden_states=")
 
-        def local_ids(ids):
-            # the whole sequence's [B, S] ids, cut as Shard(dim) cuts the hidden states (torch.chunk's sizes)
-            if not isinstance(ids, torch.Tensor) or ids.ndim <= self.sequence_dim:
-                return ids
-            return ids.chunk(device_mesh.size(), dim=self.sequence_dim)[device_mesh.get_local_rank()]
+        def local_ids(mod, ids, x):
+            # the whole sequence's [B, S] ids, cut as Shard(dim) cuts the hidden states (torch.chunk's sizes; the
+            # sequence divides by tp)
+            dim = self.sequence_dim
+            if not isinstance(x, DTensor) or ids.ndim <= dim or ids.shape[dim] != x.shape[dim]:
+                raise ValueError(f"tensor parallelism: {type(mod).__name__} takes input_ids "
+                                 f"{tuple(ids.shape)} that are not the whole sequence of its sequence-sharded "
+                                 f"hidden states; use ep and data parallelism instead")
+            return ids.chunk(device_mesh.size(), dim=dim)[device_mesh.get_local_rank()]
 
         def sharded_output(mod, args, kwargs, output):
             return (to_dtensor(output[0]), *output[1:]) if isinstance(output, tuple) else to_dtensor(output)
@@ -365,6 +371,15 @@ def _layer_patterns(prefix: str, layers: dict[str, nn.Module], kind_of) -> dict:
     return {kind: [f"{prefix}.{n}" for n in names] for kind, names in kinds.items()}
 
 
+def _dense_ffn_plan(ffn: str, projections: tuple[str | None, str, str]) -> dict[str, ParallelStyle]:
+    """A dense (gate,) up / down MLP at pattern `ffn`: the sequence gathered into it, gate and up column-sharded,
+    down row-sharded back to the sequence-sharded residual stream."""
+    gate, up, down = projections
+    return {ffn: _gather_sequence(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            **{f"{ffn}.{p}": ColwiseParallel() for p in (gate, up) if p is not None},
+            f"{ffn}.{down}": _rowwise_to_sequence()}
+
+
 def _moe_style(fold_experts: bool) -> ParallelStyle:
     return LocalTokens() if fold_experts else ReplicatedModule()
 
@@ -415,7 +430,8 @@ class HeadShardedParameters(ParallelStyle):
 class ReplicatedParameters(ParallelStyle):
     """A module's own parameters (not its children's) as Replicate DTensors: the base model's input scale and bias
     (Zaya's), which it applies to the sequence-sharded embedding output itself, outside any module. DTensor's
-    arithmetic then keeps the activation sharded and sums the parameters' gradients over tp."""
+    arithmetic then keeps the activation sharded and sums the parameters' gradients over tp. (A model that applied
+    such a parameter to a plain tensor instead would stop at its first forward, mixing a tensor and a DTensor.)"""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         for name, param in list(module.named_parameters(recurse=False)):
@@ -486,20 +502,21 @@ def _attention_parts(model: nn.Module, layers: dict[str, nn.Module], names) -> t
     first_shape = None
     for key, block in layers.items():
         attentions = attentions_of(block, names) or {names.attention: None}
-        for name, attention in attentions.items():
-            why = _unplaced_attention_part(model, key, block, name, attention, names, heads)
-            if why is None:
+        why = next(filter(None, (_unplaced_attention_part(model, key, block, name, attention, names, heads)
+                                 for name, attention in attentions.items())), None)
+        if why is None:  # the plan is built from the first sharded attention: the others must be shaped alike
+            for name, attention in attentions.items():
                 shape = (_is_latent(attention), tuple(g for g in ATTENTION_GATES if hasattr(attention, g)))
                 first_shape = first_shape or shape
                 if shape != first_shape:
                     why = (f"{type(model).__name__}: attentions of different shapes (latent, output gates) in one "
                            f"model; layer {key}'s {name} differs from the first's; {HOW_TO_PASS_A_PLAN}")
-            if why is not None:
-                whole[key] = why
-                break
-        else:
-            for attention in attentions.values():
-                per_head.update(dict.fromkeys(name for name, _ in attention.named_parameters(recurse=False)))
+                    break
+        if why is not None:
+            whole[key] = why
+            continue
+        for attention in attentions.values():
+            per_head.update(dict.fromkeys(name for name, _ in attention.named_parameters(recurse=False)))
     return tuple(per_head), whole
 
 
@@ -695,10 +712,15 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
                           for other in beside_moe(layer, names)}
                 plan.update({f"{pattern}.{other}": _moe_style(fold_experts) for other in beside})
                 continue
-            plan[ffn] = _gather_sequence(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            gate, up, down = projections[0]
-            plan.update({f"{ffn}.{p}": ColwiseParallel() for p in (gate, up) if p is not None})
-            plan[f"{ffn}.{down}"] = _rowwise_to_sequence()
+            plan.update(_dense_ffn_plan(ffn, projections[0]))
+    # a layer's dense MLPs other than its FFN (LongCat-Flash's, one after each of its attentions)
+    others = {key: other_ffns(layer, names) for key, layer in layers.items()}
+    for key, found in (({"*": others[next(iter(layers))]}) if len(set(map(tuple, others.values()))) == 1
+                       else others).items():
+        layer = layers[next(iter(layers)) if key == "*" else key]
+        for name in found:
+            plan.update(_dense_ffn_plan(f"{names.layers}.{key}.{name}",
+                                        mlp_projections(layer.get_submodule(name), names)))
     if _module(model, names.final_norm) is not None:
         plan[names.final_norm] = SequenceParallel()
     has_embedding, has_head = _module(model, names.embedding) is not None, _module(model, names.head) is not None

@@ -84,3 +84,24 @@ def test_an_embedding_that_norms_its_rows_runs_whole():
     model.model.embed_tokens.embed_norm = torch.nn.RMSNorm(model.config.hidden_size, elementwise_affine=False)
     assert isinstance(tp_plan(model)["model.embed_tokens"], WholeEmbedding)
     assert type(tp_plan(tiny_model("gpt_oss"))["model.embed_tokens"]) is RowwiseParallel
+
+
+def test_a_layer_holding_its_parts_in_lists_is_planned_item_by_item():
+    """LongCat-Flash's layer holds two latent attentions, two dense MLPs and their norms in ModuleLists beside its
+    MoE: the plan shards each attention by heads and each MLP as a dense FFN (none left whole or replicated), runs
+    each norm sequence-parallel, and folds the MoE; a model applying its own parameters outside its modules (Zaya)
+    gets them replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from moeflow.parallel.tensor import LocalTokens, PartialGradColwise, ReplicatedParameters, tp_plan
+    from tests.support.hf_tiny import tiny_model
+
+    plan = tp_plan(tiny_model("longcat_flash"), fold_experts=True)
+    for i in (0, 1):
+        assert isinstance(plan[f"model.layers.*.self_attn.{i}.kv_b_proj"], PartialGradColwise)
+        assert isinstance(plan[f"model.layers.*.self_attn.{i}.o_proj"], RowwiseParallel)
+        assert isinstance(plan[f"model.layers.*.mlps.{i}.gate_proj"], ColwiseParallel)
+        assert isinstance(plan[f"model.layers.*.mlps.{i}.down_proj"], RowwiseParallel)
+        assert isinstance(plan[f"model.layers.*.input_layernorm.{i}"], SequenceParallel)
+    assert isinstance(plan["model.layers.*.mlp"], LocalTokens)
+    assert isinstance(tp_plan(tiny_model("zaya"))["model"], ReplicatedParameters)
