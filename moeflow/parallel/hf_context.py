@@ -55,7 +55,8 @@ _SPLITTABLE_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"
 # layer kinds whose sequence mixers run whole: not attention (linear attention, Mamba, a short convolution),
 # attention whose sparse-attention indexer picks keys from each query's whole row of scores, or attention beside
 # short convolutions (Inkling's and Zaya's hybrid layers)
-_WHOLE_LAYERS = {"linear_attention", "conv", "indexed_attention", "hybrid", "hybrid_sliding"}
+_WHOLE_LAYERS = {"linear_attention", "conv", "indexed_attention", "hybrid", "hybrid_sliding",
+                 "compressed_sparse_attention", "heavily_compressed_attention"}
 # what some architectures hand an attention function to change its scores, which `_attention` does not apply
 # (it applies `s_aux` sinks, `softcap`, an indexer's `indices` and `position_bias`): refused rather than dropped
 _SCORE_TERMS = ("sinks", "block_indices", "alibi", "attention_bias", "relative_position_bias")
@@ -118,8 +119,15 @@ def whole_sequence_mixers(model: nn.Module) -> dict[str, nn.Module]:
     return _whole_mixers(model)[0]
 
 
-def _run_whole(mixer: nn.Module, group) -> None:
-    """Hooks that give `mixer` the whole sequences in order and hand its caller this rank's chunks of its output."""
+def _run_whole(mixer: nn.Module, group, additive: bool = False) -> None:
+    """Hooks that give `mixer` the whole sequences in order and hand its caller this rank's chunks of its output;
+    `additive`: its whole masks as eager attention's (0 where seen, the dtype's lowest elsewhere)."""
+
+    def whole_mask(mask):
+        seen = _whole_mask(mask, group)
+        if not additive:
+            return seen
+        return torch.zeros(seen.shape, device=seen.device).masked_fill(~seen, torch.finfo(torch.float32).min)
 
     def gather(module, args, kwargs):
         whole = lambda t: gather_sequence(t, group, dim=1)  # noqa: E731
@@ -131,15 +139,18 @@ def _run_whole(mixer: nn.Module, group) -> None:
         else:
             raise ValueError(f"context parallelism: {type(module).__name__} got no positional input nor "
                              f"hidden_states=; use parallel.cp = 1")
-        if kwargs.get("position_embeddings") is not None:
-            kwargs["position_embeddings"] = tables(kwargs["position_embeddings"])
+        rope = kwargs.get("position_embeddings")
+        if isinstance(rope, dict):  # one pair of tables per kind (DeepSeek-V4's main and compressed attention)
+            kwargs["position_embeddings"] = {kind: tables(pair) for kind, pair in rope.items()}
+        elif rope is not None:
+            kwargs["position_embeddings"] = tables(rope)
         if kwargs.get("position_ids") is not None:
             kwargs["position_ids"] = whole(kwargs["position_ids"])
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.ndim == 4:  # [B, 1, L, S] of this rank's queries: every row
-            kwargs["attention_mask"] = _whole_mask(mask, group)
+            kwargs["attention_mask"] = whole_mask(mask)
         elif isinstance(mask, dict):  # one per kind of mixer (Zaya's causal and sliding masks): each made whole
-            kwargs["attention_mask"] = {kind: _whole_mask(m, group) if isinstance(m, torch.Tensor) and m.ndim == 4
+            kwargs["attention_mask"] = {kind: whole_mask(m) if isinstance(m, torch.Tensor) and m.ndim == 4
                                         else m for kind, m in mask.items()}
         return args, kwargs
 
@@ -184,8 +195,12 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh) -> ContextParallelToken
     AttentionMaskInterface.register(ATTENTION, _mask)
     for module in model.modules():
         _GROUPS[module] = group
+    # an architecture written for transformers' eager attention may extend the mask itself with additive terms
+    # (DeepSeek-V4 appends its compressed keys' 0 / -inf block bias): its whole-sequence mixers get the mask in that
+    # form, as eager would have built it
+    additive = model.config.get_text_config()._attn_implementation == "eager"
     for mixer in whole_sequence_mixers(model).values():
-        _run_whole(mixer, group)
+        _run_whole(mixer, group, additive)
     model.set_attn_implementation(ATTENTION)
     if model.config.get_text_config()._attn_implementation != ATTENTION:  # transformers only warns when it cannot
         raise ValueError(f"{type(model).__name__}: transformers kept attention implementation "
@@ -242,8 +257,10 @@ def _attention(module: nn.Module, q_BHLDk: torch.Tensor, k_BHkLDk: torch.Tensor,
     group = _GROUPS[module]
     ((_, S),) = _QUERIES
     bias = kwargs.get("position_bias")  # [.., L, S] added to the scores (Inkling's relative logits)
-    if q_BHLDk.shape[2] == S and k_BHkLDk.shape[2] == S:  # an attention run whole on every rank (_run_whole)
+    if q_BHLDk.shape[2] == S:  # an attention run whole on every rank (_run_whole); its keys may be more (compressed)
         seen = attention_mask
+        if seen is not None and seen.dtype != torch.bool:  # eager's additive form (_run_whole's `additive`)
+            seen = seen > torch.finfo(seen.dtype).min / 2
         if kwargs.get("indices") is not None:  # a sparse-attention indexer's top-k keys per query [B, S, k]
             seen = _selected(kwargs["indices"], S) & (_causal(S, q_BHLDk.device) if seen is None else seen)
         if softcap is None and s_aux is None and bias is None and seen is not None:

@@ -105,10 +105,12 @@ def test_architectures_whose_attention_cannot_be_split_are_refused_in_one_line()
         "Inkling2ForCausalLM: its hybrid_sliding layer 0 has mlp_input, self_attn, post_attention_convolution, "
         "post_mlp_convolution beside its FFN, where context parallelism runs whole one sequence mixer, or several "
         "that each take the hidden states; use cp = 1")  # mlp_input attends over the earlier layers' states
-    why = hf_context_refusal(tiny_model("deepseek_v4"))
-    assert why.startswith("DeepseekV4ForCausalLM: its compressed_sparse_attention, heavily_compressed_attention "
-                          "layers are neither full, sliding-window or chunked attention, which context parallelism "
-                          "splits here, nor linear attention, convolutions or indexed attention")
+    assert hf_context_refusal(tiny_model("deepseek_v4")) is None  # its compressed attention runs whole
+    model = tiny_model("qwen3_next")
+    model.config.layer_types = ["sparse_attention" if t == "full_attention" else t for t in model.config.layer_types]
+    assert hf_context_refusal(model).startswith(
+        "Qwen3NextForCausalLM: its sparse_attention layers are neither full, sliding-window or chunked attention, "
+        "which context parallelism splits here, nor linear attention, convolutions or indexed attention")
     assert hf_context_refusal(tiny_model("kolibri1_1")) == (
         "Kolibri1_1ForCausalLM: its layers hand each other more than the hidden states, and some run whole on every "
         "cp rank while others split the sequence; use cp = 1")

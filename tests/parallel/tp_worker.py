@@ -469,13 +469,15 @@ def case_bad_inputs():
             "parallel.tp (8) must divide model.n_heads (4)")
     _expect(lambda: adapter_for(hf_model("llama")).check_tp_widths(3),
             "num_attention_heads (4) in the Hugging Face config")
-    # context parallelism of layers it can neither split nor run whole (DeepSeek-V4's compressed attention):
-    # refused before any group or swap
+    # context parallelism of layers it can neither split nor run whole (a layer kind it does not know): refused
+    # before any group or swap
     from tests.support.hf_tiny import tiny_model
 
-    _expect(lambda: moeflow.parallelize(tiny_model("deepseek_v4"), ParallelDims(world, cp=2)),
-            "DeepseekV4ForCausalLM: its compressed_sparse_attention, heavily_compressed_attention layers are "
-            "neither full, sliding-window or chunked")
+    unknown = tiny_model("qwen3_next")
+    unknown.config.layer_types = ["sparse_attention" if t == "full_attention" else t
+                                  for t in unknown.config.layer_types]
+    _expect(lambda: moeflow.parallelize(unknown, ParallelDims(world, cp=2)),
+            "Qwen3NextForCausalLM: its sparse_attention layers are neither full, sliding-window or chunked")
     # a Linear no pattern covers, in a block or in its attention
     model = moeflow_model("dense")
     model.layers["1"].gate = nn.Linear(32, 4)

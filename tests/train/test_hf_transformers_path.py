@@ -162,7 +162,8 @@ def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_p
          "dsa-cp2": ("glm_moe_dsa", {"parallel.cp": 2}), "gated-tp2": ("ergo", {"parallel.tp": 2}),
          "w123-tp2": ("lfm2_moe", {"parallel.tp": 2}), "hybrid-tp2": ("inkling", {"parallel.tp": 2}),
          "hybrid-cp2": ("inkling", {"parallel.cp": 2}), "lists-tp2": ("longcat_flash", {"parallel.tp": 2}),
-         "scaled-input-tp2": ("zaya", {"parallel.tp": 2}), "hash-routed-tp2": ("deepseek_v4", {"parallel.tp": 2})}),
+         "scaled-input-tp2": ("zaya", {"parallel.tp": 2}), "hash-routed-tp2": ("deepseek_v4", {"parallel.tp": 2}),
+         "compressed-cp2": ("deepseek_v4", {"parallel.cp": 2})}),
     pytest.param(4, {"tp2-cp2": ("qwen3_next", {"parallel.tp": 2, "parallel.cp": 2})}, marks=pytest.mark.slow),
 ], ids=["tp2-and-cp2", "tp2-x-cp2"])
 def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_and_context_parallelism(tmp_path, capfd, world, runs):
@@ -176,7 +177,8 @@ def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_and_context_parall
     under tp and cp, with its normed embedding whole on every tp rank, and LongCat-Flash's two latent attentions
     per layer (held in a ModuleList, as are its two MLPs and their norms) sharded by heads, and Zaya's input scale
     and bias, which its model applies outside any module, replicated DTensors on the sharded embedding output
-    (its CCA attention whole), and DeepSeek-V4's MoE routed by the token ids, handed the ids of the rank's tokens.
+    (its CCA attention whole), and DeepSeek-V4's MoE routed by the token ids, handed the ids of the rank's tokens,
+    and its compressed attention run whole under cp (the mask in eager's additive form, which it extends itself).
     tp=2, cp=2 and both
     train the one-process losses and gradient norms, and rank 0 says which mixers run whole."""
     from tests.parallel.layout_worker import launch
