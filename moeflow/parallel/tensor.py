@@ -714,13 +714,12 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
                 continue
             plan.update(_dense_ffn_plan(ffn, projections[0]))
     # a layer's dense MLPs other than its FFN (LongCat-Flash's, one after each of its attentions)
-    others = {key: other_ffns(layer, names) for key, layer in layers.items()}
-    for key, found in (({"*": others[next(iter(layers))]}) if len(set(map(tuple, others.values()))) == 1
-                       else others).items():
-        layer = layers[next(iter(layers)) if key == "*" else key]
-        for name in found:
-            plan.update(_dense_ffn_plan(f"{names.layers}.{key}.{name}",
-                                        mlp_projections(layer.get_submodule(name), names)))
+    def dense_others(layer):
+        return tuple((name, mlp_projections(layer.get_submodule(name), names)) for name in other_ffns(layer, names))
+
+    for found, patterns in _layer_patterns(names.layers, layers, dense_others).items():
+        plan.update({key: style for pattern in patterns for name, projections in found
+                     for key, style in _dense_ffn_plan(f"{pattern}.{name}", projections).items()})
     if _module(model, names.final_norm) is not None:
         plan[names.final_norm] = SequenceParallel()
     has_embedding, has_head = _module(model, names.embedding) is not None, _module(model, names.head) is not None
