@@ -158,7 +158,7 @@ def _destroy() -> None:
     if dist.is_initialized():
         # Every rank done with its last collective before any tears its groups down: a rank that destroys its
         # gloo groups while a slower peer still talks to it can abort ("terminate called without an active
-        # exception", seen once in a few hundred 2-rank runs here).
+        # exception", rare with gloo).
         dist.barrier()
         dist.destroy_process_group()
 

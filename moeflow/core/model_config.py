@@ -62,7 +62,8 @@ class MoEConfig:
     """With a capacity factor, every expert computes exactly its capacity in rows (zeros where fewer tokens
     came): static shapes for the expert matmuls and no host sync in dispatch."""
     expert_impl: str = "auto"
-    """Grouped matmul path: 'auto' (fastest measured here), 'grouped_mm', 'bmm', 'loop'."""
+    """Grouped matmul path: 'grouped_mm', 'bmm', 'loop' or 'auto' (grouped_mm; bmm for fp32 on CUDA or widths
+    grouped_mm cannot align)."""
     norm_top1: bool = False
     """With top_k = 1 and norm_topk_prob, normalise the single weight to exactly 1 as Hugging Face's Mixtral and
     Qwen3-MoE do (the router then gets no gradient); by default the score is kept so the router still learns."""

@@ -168,7 +168,8 @@ class ParallelDims:
 
     def _check_tp_widths(self, cfg: ModelConfig) -> None:
         """tp divides the widths tensor parallelism shards: heads, kv heads and the dense FFN width (MoE layers
-        are computed whole on every tp rank). Multi-head latent attention has no plan yet."""
+        are folded over tp, or whole on every tp rank with ep_over_tp = false). Multi-head latent attention has no
+        plan yet."""
         if cfg.attention == "mla":
             raise ValueError(MLA_TP_UNSUPPORTED)
         sizes = [("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.kv_heads)]

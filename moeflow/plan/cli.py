@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True,
                    help="preset name (e.g. deepseek-v3, llama3-8b), a moeflow TOML with a [model] table, or a "
-                   "Hugging Face config.json (llama, qwen3, qwen3_moe, mixtral, olmoe, deepseek_v3)")
+                   "Hugging Face config.json (llama, qwen3, qwen3_moe, mixtral, olmoe, deepseek_v3, glm4_moe)")
     p.add_argument("--gpu", help=f"accelerator type: {', '.join(GPUS)} (required unless --calibrate)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
