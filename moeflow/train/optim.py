@@ -22,7 +22,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
         from moeflow.train.offload import HostOffloadAdamW
 
         return HostOffloadAdamW(groups, lr=lr, betas=betas, eps=1e-8)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, foreach=True)
+    # fused: one kernel per tensor for the whole update (the foreach path runs ~8 passes over each state tensor)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=True)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
