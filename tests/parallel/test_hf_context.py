@@ -95,7 +95,7 @@ def test_hf_context_parallel_layouts_equal_one_process():
 
 def test_architectures_whose_attention_cannot_be_split_are_refused_in_one_line():
     from moeflow.parallel.hf_context import hf_context_refusal
-    from tests.support.hf_tiny import tiny_model
+    from tests.support.hf_tiny import tiny_model, with_unknown_layer_kind
 
     assert hf_context_refusal(tiny_model("gpt_oss")) is None
     assert hf_context_refusal(tiny_model("jamba")) is None  # its Mamba mixers run whole on every cp rank
@@ -106,9 +106,7 @@ def test_architectures_whose_attention_cannot_be_split_are_refused_in_one_line()
         "post_mlp_convolution beside its FFN, where context parallelism runs whole one sequence mixer, or several "
         "that each take the hidden states; use cp = 1")  # mlp_input attends over the earlier layers' states
     assert hf_context_refusal(tiny_model("deepseek_v4")) is None  # its compressed attention runs whole
-    model = tiny_model("qwen3_next")
-    model.config.layer_types = ["sparse_attention" if t == "full_attention" else t for t in model.config.layer_types]
-    assert hf_context_refusal(model).startswith(
+    assert hf_context_refusal(with_unknown_layer_kind()).startswith(
         "Qwen3NextForCausalLM: its sparse_attention layers are neither full, sliding-window or chunked attention, "
         "which context parallelism splits here, nor linear attention, convolutions or indexed attention")
     assert hf_context_refusal(tiny_model("kolibri1_1")) == (

@@ -471,12 +471,9 @@ def case_bad_inputs():
             "num_attention_heads (4) in the Hugging Face config")
     # context parallelism of layers it can neither split nor run whole (a layer kind it does not know): refused
     # before any group or swap
-    from tests.support.hf_tiny import tiny_model
+    from tests.support.hf_tiny import with_unknown_layer_kind
 
-    unknown = tiny_model("qwen3_next")
-    unknown.config.layer_types = ["sparse_attention" if t == "full_attention" else t
-                                  for t in unknown.config.layer_types]
-    _expect(lambda: moeflow.parallelize(unknown, ParallelDims(world, cp=2)),
+    _expect(lambda: moeflow.parallelize(with_unknown_layer_kind(), ParallelDims(world, cp=2)),
             "Qwen3NextForCausalLM: its sparse_attention layers are neither full, sliding-window or chunked")
     # a Linear no pattern covers, in a block or in its attention
     model = moeflow_model("dense")

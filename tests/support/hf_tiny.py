@@ -230,3 +230,11 @@ def tiny_model(d: str, seed: int = 0) -> torch.nn.Module:
         model = cls(config).float()
     randomize(model, seed)
     return model
+
+
+def with_unknown_layer_kind() -> torch.nn.Module:
+    """A tiny Qwen3-Next whose full-attention layers are of a kind context parallelism does not know
+    ('sparse_attention'): what its refusal of an unknown layer kind is tested on."""
+    model = tiny_model("qwen3_next")
+    model.config.layer_types = ["sparse_attention" if t == "full_attention" else t for t in model.config.layer_types]
+    return model
