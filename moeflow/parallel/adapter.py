@@ -154,7 +154,7 @@ class HuggingFaceAdapter(ModelAdapter):
         if dims.pp > 1:
             from moeflow.parallel.hf_pipeline import hf_pipeline_refusal
 
-            why = hf_pipeline_refusal(self.model, dims.pp_schedule)
+            why = hf_pipeline_refusal(self.model, dims.pp_schedule, None if dims.tp > 1 else ())
             if why:
                 raise ValueError(why)
         if dims.cp > 1:

@@ -91,7 +91,8 @@ def _whole_mixers(model: nn.Module) -> tuple[dict[str, nn.Module], str | None]:
     """({fqn: module} of the sequence mixers that run whole on every cp rank: in each layer of a kind in
     _WHOLE_LAYERS, its one sequence mixer, or its several where each takes the hidden states (its per-token parts
     stay on the rank's tokens); why not, where such a layer has none, or a mixer of another input)."""
-    from moeflow.parallel.hf_pipeline import carries_state, is_skipped
+    from moeflow.parallel.hf_loop import carries_state
+    from moeflow.parallel.hf_pipeline import is_skipped
     from moeflow.parallel.module_names import HF_NAMES, sequence_mixers, takes_hidden_states
 
     kinds = getattr(model.config.get_text_config(), "layer_types", None) or []

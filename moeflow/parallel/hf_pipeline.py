@@ -4,29 +4,31 @@ moeflow's own model is split by dropping what a rank does not hold (moeflow.para
 model's forward is the architecture's own code (masks, rotary tables, per-layer types, embedding scales), so each
 stage still runs that whole forward and only changes what flows through it:
 
-  - the layers of other stages become `SkippedLayer` placeholders: no parameters, they hand the hidden states on and
-    keep the plain attributes the model's loop reads of a layer (its attention type, its index), so layer indices
-    and parameter names stay the full model's, as checkpoints need;
-  - a stage after the first receives the previous stage's hidden states: the model runs on placeholder token ids
-    (its embedding is a parameterless `NoEmbedding` of zeros) and the received tensor replaces the hidden states
-    entering this stage's first layer (a forward pre-hook on it, registered for the call: under activation
-    checkpointing the layer saves the replaced input, so its recomputation sees it too);
-  - a stage before the last returns what its last layer produced, and holds no final norm or output head.
+  - the layers of other stages become `SkippedLayer` placeholders: no parameters, they hand on the hidden states
+    (and whatever else a layer returns for the next one) and keep the plain attributes the model's loop reads of a
+    layer (its attention type, its index), so layer indices and parameter names stay the full model's;
+  - a stage after the first receives what the previous stage's last layer returned: the model runs on placeholder
+    token ids (its embedding is a parameterless `NoEmbedding` of zeros; the real ids where the layers take them, as
+    hash routing does) and the received tensors replace what enters this stage's first layer (a forward pre-hook
+    on it, registered for the call: under activation checkpointing the layer saves the replaced input, so its
+    recomputation sees it too);
+  - a stage before the last returns what its last layer produced, and holds no final norm or output head;
+  - what the forward runs of the base model before its layers (an input scale) lives on the first stage, what it
+    runs after them (a hyper-connection head) on the last (moeflow.parallel.hf_loop reads which from its source).
 
+What a layer hands the next (the hidden states, an indexer's top-k selection beside them, hyper-connection streams)
+has the shapes a forward on fake tensors gives (`_layer_outputs`), so the stages skip torch's shape inference.
 The last stage returns the causal LM's own logits (its head, and any logit scale or cap the architecture applies).
 One stage per rank (GPipe, 1F1B). Refused before anything changes: tied embeddings (the embedding and the head
-would live on different stages), a model with parameters outside its layers, embedding, norm and head (per-layer
-embeddings computed from the token ids, which later stages do not have), and layers that hand the next one more than
-the hidden states (an indexer's top-k selection: read from the model's forward, where its loop unpacks a layer's
-output).
+would live on different stages), parameters the forward reads inside its loop or beside the layers' inputs
+(per-layer embeddings computed from the token ids), and state the layers share other than through their outputs
+(a key-value sharing dict, blocks of earlier layers' outputs).
 
-    stages = build_hf_stage_modules(model, pp_rank, pp_size, schedule_name, boundaries)   # [model], trimmed
+    stages = build_hf_stage_modules(model, pp_rank, pp_size, schedule_name, boundaries, microbatch_shape)  # [model]
 """
 
 from __future__ import annotations
 
-import inspect
-import re
 import weakref
 from dataclasses import dataclass
 
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 from moeflow.core.schedules import SCHEDULES, pipeline_layout, resolve_schedule
+from moeflow.parallel.hf_loop import LayerLoop, layer_loop
 from moeflow.parallel.module_names import embedding_name, is_norm
 
 
@@ -44,9 +47,25 @@ def _final_norms(model: nn.Module) -> list[str]:
 
 
 def _placed(model: nn.Module) -> tuple[str, ...]:
-    """The parameter name prefixes a stage split places; parameters anywhere else refuse the split."""
+    """The parameter name prefixes a stage split places with the layers, embedding, final norm or head."""
     return (f"model.{embedding_name(model)}.", "model.layers.", "lm_head.",
             *(f"model.{n}." for n in _final_norms(model)))
+
+
+def _outside(model: nn.Module) -> dict[str, str]:
+    """{attribute of model.model: 'first' or 'last' stage, or '' where no stage can hold it} for the parameters
+    outside the layers, embedding, final norm and head (module docstring)."""
+    loop, placed, out = _loop(model), _placed(model), {}
+    for name, _ in model.named_parameters():
+        if not name.startswith(placed):
+            attribute = name.split(".")[1] if name.startswith("model.") else name
+            holder = "first" if attribute in loop.before else "last" if attribute in loop.after else ""
+            out.setdefault(attribute, holder if name.startswith("model.") else "")
+    return out
+
+
+def _loop(model: nn.Module) -> LayerLoop:
+    return layer_loop(type(model.model)) or LayerLoop("")
 
 
 @dataclass(frozen=True)
@@ -55,23 +74,39 @@ class _Role:
     last: bool
     first_layer: int  # global index of this stage's first and last layers
     last_layer: int
+    slots: tuple[int | str, ...]  # where what a layer hands the next goes into its call (hf_loop.LayerLoop)
+    reads_ids: bool  # the layers take the token ids: every stage runs on the real ones
+    known: bool  # the shapes at its boundaries are known (else torch infers them on its first step)
+    received: tuple | None  # ((shape, dtype), ...) of what enters / leaves the stage (None: the hidden states)
+    sent: tuple | None
 
 
 # stage module -> its role; kept beside the module, which gains no attribute
 _ROLES: weakref.WeakKeyDictionary[nn.Module, _Role] = weakref.WeakKeyDictionary()
 
 
-class SkippedLayer(nn.Module):
-    """Stands for a layer of another stage: returns the hidden states it is given."""
+def _slot(args: tuple, kwargs: dict, slot: int | str):
+    if isinstance(slot, str):
+        return kwargs.get(slot)
+    return args[slot] if slot < len(args) else None
 
-    def __init__(self, layer: nn.Module):
+
+class SkippedLayer(nn.Module):
+    """Stands for a layer of another stage: returns the hidden states it is given (and, where the layers hand each
+    other more, what it was handed of that)."""
+
+    def __init__(self, layer: nn.Module, slots: tuple[int | str, ...] = ()):
         super().__init__()
         for key, value in vars(layer).items():  # plain attributes (modules and parameters live in _modules, ...)
             if not key.startswith("_") and key != "training":
                 setattr(self, key, value)
+        self.slots = slots
 
     def forward(self, *args, **kwargs):
-        return args[0] if args else kwargs["hidden_states"]
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if not self.slots:
+            return hidden
+        return (hidden, *(_slot(args, kwargs, slot) for slot in self.slots))
 
 
 class NoEmbedding(nn.Module):
@@ -85,29 +120,23 @@ class NoEmbedding(nn.Module):
         return torch.zeros(*ids.shape, self.dim, device=ids.device)
 
 
-# `hidden_states, index_pool = decoder_layer(`: a layer's output unpacked into more than the hidden states
-_UNPACKED_LAYER_OUTPUT = re.compile(r"^\s*\w+(?:\s*,\s*\w+)+\s*=\s*\w*layer\w*\(", re.MULTILINE)
+class Dropped(nn.Module):
+    """A part of the base model another stage runs (before or after the layers, the final norm, the head): hands
+    on its first input. Keeps a scalar `weight` of the part's dtype where it had one (forwards read its dtype)."""
+
+    def __init__(self, part: nn.Module | None = None):
+        super().__init__()
+        weight = getattr(part, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            self.weight = torch.zeros((), dtype=weight.dtype)
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else next(iter(kwargs.values()))
 
 
-def carried_state(model_class: type) -> str | None:
-    """The line of the base model's forward that unpacks a layer's output into more than the hidden states
-    (state one layer passes to the next, such as an indexer's top-k selection), read from its source."""
-    try:
-        source = inspect.getsource(model_class.forward)
-    except (OSError, TypeError):
-        return None
-    found = _UNPACKED_LAYER_OUTPUT.search(source)
-    return found.group(0) if found else None
-
-
-def carries_state(model: nn.Module) -> bool:
-    """Whether a transformers model's layers hand each other more than the hidden states (carried_state)."""
-    base = getattr(model, "model", None)
-    return base is not None and carried_state(type(base)) is not None
-
-
-def hf_pipeline_refusal(model: nn.Module, pp_schedule: str) -> str | None:
-    """Why this transformers model cannot be split into pipeline stages (None when it can)."""
+def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tuple | None = ()) -> str | None:
+    """Why this transformers model cannot be split into pipeline stages (None when it can). `microbatch_shape`:
+    the (rows, seq, ...) the stages will be built for; None where it is not known (tensor parallelism)."""
     name = type(model).__name__
     if SCHEDULES[resolve_schedule(pp_schedule)].placement != "single":
         return (f"{name}: transformers' modules run one pipeline stage per rank; parallel.pp_schedule = "
@@ -120,44 +149,136 @@ def hf_pipeline_refusal(model: nn.Module, pp_schedule: str) -> str | None:
     if getattr(head, "weight", None) is embedding.weight:  # (the config's flag has no one name in every family)
         return (f"{name}: tied embeddings would sit on two pipeline stages (the embedding on the first, the output "
                 f"head on the last); use pp = 1")
-    carried = carried_state(type(model.model))
-    if carried:
-        return (f"{name}: its layers hand the next one more than the hidden states, which a pipeline stage does "
-                f"not receive; its loop reads `{carried.split('=')[0].strip()}` from each; use pp = 1")
-    placed = _placed(model)
-    outside = [n for n, _ in model.named_parameters() if not n.startswith(placed)]
-    if outside:
-        return (f"{name}: parameters outside the layers, embedding, final norm and head have no pipeline stage; "
-                f"{outside[0]} is one; use pp = 1")
+    loop = _loop(model)
+    if loop.unsupported:
+        return (f"{name}: {loop.unsupported}; a pipeline stage boundary carries only what a layer returns for the "
+                f"next one; use pp = 1")
+    unplaced = [a for a, holder in _outside(model).items() if not holder]
+    if unplaced:
+        first = next(n for n, _ in model.named_parameters() if n.split(".")[:2] in (["model", unplaced[0]],
+                                                                                   [unplaced[0]]))
+        return (f"{name}: parameters its forward reads among the layers or beside their inputs have no pipeline "
+                f"stage; {first} is one; use pp = 1")
+    if loop.carried and microbatch_shape is None:
+        return (f"{name}: its layers hand the next one `{', '.join(loop.carried)}` beside the hidden states, whose "
+                f"shapes come from the micro-batch shape (ParallelOptions.pp_microbatch_shape, which `moeflow "
+                f"train` sets unless tp > 1); set it, or use pp or tp, not both")
     return None
 
 
 def build_hf_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, schedule_name: str,
-                           boundaries=None) -> list[nn.Module]:
+                           boundaries=None, microbatch_shape: tuple | None = None) -> list[nn.Module]:
     """This rank's stage of `model` (trimmed in place to what it holds; its class gains the stage's forward):
-    [model]. ValueError (hf_pipeline_refusal) before anything changes."""
-    why = hf_pipeline_refusal(model, schedule_name)
+    [model]. ValueError (hf_pipeline_refusal) before anything changes. `microbatch_shape` (rows, seq[, dtype]):
+    the stages' boundaries get their shapes from it where they carry more than the hidden states."""
+    why = hf_pipeline_refusal(model, schedule_name, microbatch_shape)
     if why:
         raise ValueError(why)
+    loop, outside = _loop(model), _outside(model)
     layers = model.model.layers
     (spec,) = [s for s in pipeline_layout(len(layers), pp_size, schedule_name, boundaries) if s.rank == pp_rank]
+    outputs = None
+    if outside or loop.carried:
+        try:
+            outputs = _layer_outputs(model, microbatch_shape)
+        except ValueError:
+            if loop.carried:  # torch's own shape inference would hand the next stage uninitialised indices
+                raise
     for i, layer in enumerate(layers):
         if i not in spec.layers:
-            layers[i] = SkippedLayer(layer)
+            layers[i] = SkippedLayer(layer, loop.slots)
     if not spec.embed:
         setattr(model.model, embedding_name(model), NoEmbedding(model.config.get_text_config().hidden_size))
     if not spec.head:
         for name in _final_norms(model):
-            setattr(model.model, name, nn.Identity())
-        model.lm_head = nn.Identity()
+            setattr(model.model, name, Dropped(getattr(model.model, name)))
+        model.lm_head = Dropped()
+    for attribute, holder in outside.items():
+        if not (spec.embed if holder == "first" else spec.head):
+            _drop(model.model, attribute)
     model.__class__ = _stage_class(type(model))
-    _ROLES[model] = _Role(spec.embed, spec.head, spec.layers[0], spec.layers[-1])
+    first, last = spec.layers[0], spec.layers[-1]
+    _ROLES[model] = _Role(spec.embed, spec.head, first, last, loop.slots, loop.reads_ids,
+                          outputs is not None or not (outside or loop.carried),
+                          outputs[first - 1] if outputs and not spec.embed else None,
+                          outputs[last] if outputs and not spec.head else None)
     return [model]
 
 
+def _drop(base: nn.Module, attribute: str) -> None:
+    """Another stage runs `base.<attribute>`: a module becomes `Dropped`, a parameter a zero (a scalar, which
+    broadcasts whatever the parameter's shape: what it computes is replaced by the received hidden states)."""
+    if attribute in base._modules:
+        setattr(base, attribute, Dropped(getattr(base, attribute)))
+    else:
+        del base._parameters[attribute]
+        setattr(base, attribute, torch.zeros(()))
+
+
+def _layer_outputs(model: nn.Module, microbatch_shape: tuple | None) -> list[tuple] | None:
+    """((shape, dtype), ...) of what each layer returns for a micro-batch of `microbatch_shape` (rows, seq[, dtype
+    of autocast]): a forward on fake tensors (no memory, no compute), the experts as transformers' batched matmuls
+    (whose shapes do not depend on the routing). None where the shape is not known."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from transformers import PretrainedConfig
+
+    if microbatch_shape is None:
+        return None
+    rows, seq, *rest = microbatch_shape
+    dtype = rest[0] if rest else torch.float32
+    device = next((t.device for t in model.buffers() if t.device.type != "meta"), torch.device("cpu"))
+    outputs: dict[int, tuple] = {}
+
+    def keep(index):
+        def hook(module, args, output):
+            found = output if isinstance(output, tuple) else (output,)
+            outputs[index] = tuple((tuple(t.shape), t.dtype) for t in found if isinstance(t, torch.Tensor))
+        return hook
+
+    configs = {id(c): c for m in model.modules() if isinstance(c := getattr(m, "config", None), PretrainedConfig)}
+    kept = {key: getattr(c, "_experts_implementation", None) for key, c in configs.items()}
+    hooks = [layer.register_forward_hook(keep(i)) for i, layer in enumerate(model.model.layers)]
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    try:
+        for key, config in configs.items():
+            if kept[key] is not None:
+                config._experts_implementation = "batched_mm"
+        with FakeTensorMode(shape_env=ShapeEnv()), autocast:
+            state = {n: torch.empty(t.shape, dtype=t.dtype, device=device)
+                     for n, t in (*model.named_parameters(), *model.named_buffers())}
+            ids = torch.zeros(rows, seq, dtype=torch.long, device=device)
+            torch.func.functional_call(model, state, (), {"input_ids": ids, "use_cache": False}, strict=False)
+    except Exception as e:  # (noqa: the architectures' own code raises anything) # noqa: BLE001
+        raise ValueError(f"{type(model).__name__}: the shapes its layers hand each other could not be read from a "
+                         f"forward on fake tensors ({type(e).__name__}: {str(e).splitlines()[0]}); use pp = 1") from e
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for key, config in configs.items():
+            if kept[key] is not None:
+                config._experts_implementation = kept[key]
+    return [outputs[i] for i in range(len(model.model.layers))]
+
+
+def stage_boundary(module: nn.Module) -> tuple[tuple | None, tuple | None] | None:
+    """((shape, dtype), ...) of what a stage receives and sends (each None where it is the hidden states [B, S,
+    hidden] or there is no neighbour); None where they are not known (torch's shape inference finds them)."""
+    role = _ROLES.get(module)
+    if role is None:
+        return None, None
+    return (role.received, role.sent) if role.known else None
+
+
+def stage_reads_ids(module: nn.Module) -> bool:
+    """Whether a transformers stage's layers take the token ids (every stage then receives them as `ids`)."""
+    role = _ROLES.get(module)
+    return role is not None and role.reads_ids and not role.first
+
+
 def is_placeholder(module: nn.Module | None) -> bool:
-    """A part a pipeline stage does not hold (another stage's embedding, final norm or head)."""
-    return isinstance(module, NoEmbedding | nn.Identity)
+    """A part a pipeline stage does not hold (another stage's embedding, final norm, head or other parts)."""
+    return isinstance(module, NoEmbedding | Dropped)
 
 
 def is_skipped(layer: nn.Module) -> bool:
@@ -167,32 +288,43 @@ def is_skipped(layer: nn.Module) -> bool:
 class _Stage:
     """Mixed in before a transformers causal-LM class by build_hf_stage_modules: the stage's forward."""
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids [B, S] (first stage) or hidden states [B, S, D] -> hidden states [B, S, D], or logits [B, S, V]
-        on the last stage. Packed rows need no document ids (models.hf_transformers.logits)."""
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, ids: torch.Tensor | None = None):
+        """Token ids [B, S] (first stage), or what the previous stage's last layer returned (the hidden states
+        [B, S, ...], and what the layers hand each other beside them) -> what this stage's last layer returns, or
+        logits [B, S, V] on the last stage. Packed rows need no document ids (models.hf_transformers.logits)."""
         del document_ids
         role = _ROLES[self]
         layers = self.model.layers
-        ids = x if role.first else torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+        if role.first:
+            ids = x
+        elif ids is None:
+            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
         hooks, produced = [], []
         if not role.first:
             def received(module, args, kwargs):
-                if args:
-                    return (x, *args[1:]), kwargs
-                return args, {**kwargs, "hidden_states": x}
+                args, kwargs = list(args), dict(kwargs)
+                for slot, value in zip((0, *role.slots), (x, *carried)):
+                    if isinstance(slot, str):
+                        kwargs[slot] = value
+                    elif slot < len(args):
+                        args[slot] = value
+                    else:  # the first slot is the hidden states, passed by keyword
+                        kwargs["hidden_states"] = value
+                return tuple(args), kwargs
 
             hooks.append(layers[role.first_layer].register_forward_pre_hook(received, with_kwargs=True))
         if not role.last:
             def keep(module, args, output):
-                produced.append(output[0] if isinstance(output, tuple) else output)
+                found = output if isinstance(output, tuple) else (output,)
+                produced.append(found[: 1 + len(role.slots)])
 
             hooks.append(layers[role.last_layer].register_forward_hook(keep))
         try:
             if role.last:
                 return super().forward(input_ids=ids, position_ids=positions, use_cache=False).logits
             self.model(input_ids=ids, position_ids=positions, use_cache=False)
-            return produced[-1]
+            return produced[-1] if role.slots else produced[-1][0]
         finally:
             for hook in hooks:
                 hook.remove()

@@ -88,9 +88,18 @@ def split_pipeline(b: _Build) -> None:
         from moeflow.parallel.mesh import submesh
         from moeflow.parallel.pipeline import build_stage_modules
 
-        split = build_hf_stage_modules if b.adapter.family == "huggingface" else build_stage_modules
-        b.stages = split(b.model, submesh(b.state.mesh, "pp").get_local_rank(), b.dims.pp, b.dims.pp_schedule,
-                         b.options.pp_boundaries)
+        where = (b.model, submesh(b.state.mesh, "pp").get_local_rank(), b.dims.pp, b.dims.pp_schedule,
+                 b.options.pp_boundaries)
+        if b.adapter.family == "huggingface":
+            b.stages = build_hf_stage_modules(*where, microbatch_shape=_microbatch_shape(b))
+        else:
+            b.stages = build_stage_modules(*where)
+
+
+def _microbatch_shape(b: _Build) -> tuple | None:
+    """(rows, seq, logits dtype) the pipeline stages are built for; None under tensor parallelism, whose DTensor
+    logits' gradient metadata torch infers itself (moeflow.parallel.pipeline._static_shapes)."""
+    return b.options.pp_microbatch_shape if b.dims.tp == 1 else None
 
 
 def expert_parallel(b: _Build) -> None:
@@ -241,7 +250,7 @@ def runner(b: _Build) -> None:
                                                                              torch.cuda.current_device())
     b.state.runner = build_schedule(
         b.stages, pp_mesh.get_local_rank(), dims.pp, pp_mesh.get_group(), device, dims.pp_schedule, o.microbatches,
-        loss_fn=loss_fn, microbatch_shape=o.pp_microbatch_shape if dims.tp == 1 else None,
+        loss_fn=loss_fn, microbatch_shape=_microbatch_shape(b),
         balance_groups=_balance_groups(b), token_scale=b.token_scale, autocast=o.autocast(), folded_tp=folded_tp)
 
 

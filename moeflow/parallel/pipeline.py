@@ -56,6 +56,7 @@ from moeflow.core.schedules import (
     stage_rank,
 )
 from moeflow.models.transformer import Transformer
+from moeflow.parallel.hf_pipeline import stage_boundary, stage_reads_ids
 from moeflow.parallel.runner import (
     MTPObjective,
     clear_global_selections,
@@ -209,6 +210,7 @@ class PipelineRunner:
         self.n_microbatches, self.pp_group, self.last_stage_rank = n_microbatches, pp_group, last_stage_rank
         self.has_first_stage = any(s.is_first for s in stages)
         self.has_last_stage = any(s.is_last for s in stages)
+        self.sends_ids = any(stage_reads_ids(s.submod) for s in stages)  # its layers take the token ids
         self.autocast = autocast  # covers the whole schedule step
         self.objective = scaled_loss.loss_fn if isinstance(scaled_loss.loss_fn, MTPObjective) else None
         self.balanced = global_batch_routers({i: r for s in stages for i, r in s.routers.items()})
@@ -243,6 +245,8 @@ class PipelineRunner:
         if self.objective is not None:
             self.objective.reset()
         # model_kwargs (positions, document ids) are cut into micro-batches like the inputs and reach every stage
+        if self.sends_ids:
+            model_kwargs = {**model_kwargs, "ids": inputs.contiguous()}
         run(*args, target=target, losses=losses if self.has_last_stage else None, return_outputs=False,
             **model_kwargs)
         if not self.has_last_stage:
@@ -344,7 +348,8 @@ def _static_shapes(module, index: int, num_stages: int, device, microbatch_shape
     Only for plain tensors: with tensor parallelism the last stage returns DTensor logits, whose gradient
     metadata torch must infer itself (microbatch_shape None).
     """
-    if microbatch_shape is None:
+    boundary = stage_boundary(module)  # a transformers stage's, where more than the hidden states
+    if microbatch_shape is None or boundary is None:
         return {}
     B, S, *rest = microbatch_shape
     logits_dtype = rest[0] if rest else torch.float32  # bf16 under autocast; the residual stream stays fp32
@@ -353,11 +358,18 @@ def _static_shapes(module, index: int, num_stages: int, device, microbatch_shape
     hidden = lambda: torch.empty(B, S, dim, device=device, requires_grad=True)  # noqa: E731 (gradients flow back)
     # with MTP every boundary carries (hidden, token embeddings), and the head's stage appends the MTP logits
     carried = (hidden(), hidden()) if mtp_depth else (hidden(),)
-    inputs = (torch.zeros(B, S, dtype=torch.long, device=device),) if first else carried
+    received, sent = boundary
+    inputs = (torch.zeros(B, S, dtype=torch.long, device=device),) if first else _examples(received, device) or carried
     positions = sum(S - k for k in range(mtp_depth + 1))
     outputs = ((torch.empty(B, positions, vocab, device=device, dtype=logits_dtype, requires_grad=True),)
-               if last else carried)
+               if last else _examples(sent, device) or carried)
     return {"input_args": inputs, "output_args": outputs}
+
+
+def _examples(metas: tuple | None, device) -> tuple:
+    """Empty tensors of ((shape, dtype), ...); the floating ones take gradients (an index selection does not)."""
+    return tuple(torch.empty(shape, dtype=dtype, device=device, requires_grad=dtype.is_floating_point)
+                 for shape, dtype in metas or ())
 
 
 def _stage_sizes(module: nn.Module) -> tuple[int, int, int]:

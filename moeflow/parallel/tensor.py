@@ -66,7 +66,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from moeflow.core.parallel_dims import MLA_TP_UNSUPPORTED
-from moeflow.parallel.hf_pipeline import carries_state
+from moeflow.parallel.hf_loop import carries_state
 from moeflow.parallel.module_names import (
     attentions_of,
     beside_moe,

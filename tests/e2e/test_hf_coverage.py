@@ -2,21 +2,20 @@
 architecture found is "ok" or a one-line refusal, never a failure, and agrees with the committed results file
 that README.md's table is rendered from (bench/results/hf_coverage.json).
 
-CI runs two of the architectures the README names (the families users bring most); the slow test runs all and
+CI runs two of the architectures the README names (the families users bring most) and three whose pipeline stages
+hand on more than the hidden states; the slow test runs all and
 also checks that the committed file lists exactly the architectures the installed transformers has."""
 
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
-from tests.e2e.hf_coverage import CAPABILITIES, run_case  # noqa: E402
-from tests.support.dist_harness import check_results, launch  # noqa: E402
+from tests.e2e.hf_coverage import CAPABILITIES, matrix  # noqa: E402
 from tests.support.hf_tiny import moe_architectures  # noqa: E402
 
 COMMITTED = Path(__file__).resolve().parents[2] / "bench" / "results" / "hf_coverage.json"
@@ -24,13 +23,6 @@ COMMITTED = Path(__file__).resolve().parents[2] / "bench" / "results" / "hf_cove
 NAMED = ["gpt_oss", "deepseek_v2", "glm4_moe", "qwen2_moe", "glm4_moe_lite", "granitemoeshared", "phimoe",
          "qwen3_next", "jamba", "minimax"]
 IN_CI = NAMED[:2]
-
-
-def _matrix(archs: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        cases = [("matrix", archs, f"{tmp}/cells.json")]
-        check_results(launch(2, cases, run_case, timeout_s=300), cases)
-        return json.loads(Path(f"{tmp}/cells.json").read_text())
 
 
 def _check(cells: dict) -> None:
@@ -49,10 +41,21 @@ def _check(cells: dict) -> None:
 
 @pytest.mark.timeout(400)
 def test_named_architectures_train_export_and_generate():
-    cells = _matrix(IN_CI)
+    cells = matrix(IN_CI)
     _check(cells)
     for arch in IN_CI:  # what the README promises of each
         assert all(cells[arch][c] == "ok" for c in ("ep=2", "read", "dp=2", "export", "generate")), arch
+
+
+@pytest.mark.timeout(400)
+def test_pipeline_stages_hand_on_more_than_the_hidden_states():
+    """pp=2 (against one process, with every other capability) where a stage boundary carries more than [B, S, D]:
+    GLM-MoE-DSA's indexer selection (integers, no gradient), Zaya's router states (with a gradient) beside its input
+    scale on the first stage, DeepSeek-V4's hyper-connection streams [B, S, hc, D] with its head on the last stage
+    and its hash routing handed the token ids on every stage."""
+    cells = matrix(["glm_moe_dsa", "zaya", "deepseek_v4"])
+    _check(cells)
+    assert {arch: row["pp=2"] for arch, row in cells.items()} == dict.fromkeys(cells, "ok")
 
 
 @pytest.mark.slow
@@ -62,4 +65,4 @@ def test_every_architecture_of_the_installed_transformers():
     assert found == sorted(json.loads(COMMITTED.read_text())["cells"]), (
         "the installed transformers has other MoE architectures than bench/results/hf_coverage.json; rerun "
         "`python -m tests.e2e.hf_coverage --out bench/results`")
-    _check(_matrix(found))
+    _check(matrix(found))

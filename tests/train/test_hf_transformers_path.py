@@ -204,7 +204,8 @@ def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_and_context_parall
 
 
 def test_pipeline_splits_it_cannot_make_are_named(folder):
-    """Several stages per rank, tied embeddings, and state a layer hands the next: one line each."""
+    """Several stages per rank, tied embeddings, state the layers share other than through their outputs, and a
+    carried selection whose shapes are not known: one line each."""
     from moeflow.models.hf_transformers import load
     from moeflow.parallel.hf_pipeline import hf_pipeline_refusal
     from tests.support.hf_tiny import tiny_model
@@ -219,8 +220,15 @@ def test_pipeline_splits_it_cannot_make_are_named(folder):
                                        tie_word_embeddings=True)
     assert "tied embeddings would sit on two pipeline stages" in hf_pipeline_refusal(
         transformers.AutoModelForCausalLM.from_config(tied), "GPipe")
-    assert "its loop reads `hidden_states, topk_indices` from each" in hf_pipeline_refusal(
-        tiny_model("glm_moe_dsa", seed=0), "GPipe")
+    glm_dsa = tiny_model("glm_moe_dsa", seed=0)  # its layers hand the next one an indexer's top-k selection
+    assert hf_pipeline_refusal(glm_dsa, "GPipe") is None
+    assert "hand the next one `topk_indices` beside the hidden states, whose shapes come from the micro-batch " \
+           "shape (ParallelOptions.pp_microbatch_shape" in hf_pipeline_refusal(glm_dsa, "GPipe", None)
+    assert hf_pipeline_refusal(tiny_model("kolibri1_1", seed=0), "GPipe") == (
+        "Kolibri1_1ForCausalLM: its layers share `shared_kv_states` (KVSharingDict), which they write into and "
+        "read back; a pipeline stage boundary carries only what a layer returns for the next one; use pp = 1")
+    assert "its loop builds `block_states` from the layers' outputs" in hf_pipeline_refusal(
+        tiny_model("inkling2", seed=0), "GPipe")
     assert hf_pipeline_refusal(tiny_model("nemotron_h"), "GPipe") is None  # its embedding is model.embeddings
 
 
