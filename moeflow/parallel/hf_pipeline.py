@@ -161,8 +161,9 @@ def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tu
                 f"stage; {first} is one; use pp = 1")
     if loop.carried and microbatch_shape is None:
         return (f"{name}: its layers hand the next one `{', '.join(loop.carried)}` beside the hidden states, whose "
-                f"shapes come from the micro-batch shape (ParallelOptions.pp_microbatch_shape, which `moeflow "
-                f"train` sets unless tp > 1); set it, or use pp or tp, not both")
+                f"shapes the stages take from the micro-batch shape (ParallelOptions.pp_microbatch_shape), which "
+                f"tensor parallelism leaves unset (torch infers the shapes of its DTensor logits); use pp or tp, "
+                f"not both")
     return None
 
 

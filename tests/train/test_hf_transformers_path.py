@@ -222,8 +222,8 @@ def test_pipeline_splits_it_cannot_make_are_named(folder):
         transformers.AutoModelForCausalLM.from_config(tied), "GPipe")
     glm_dsa = tiny_model("glm_moe_dsa", seed=0)  # its layers hand the next one an indexer's top-k selection
     assert hf_pipeline_refusal(glm_dsa, "GPipe") is None
-    assert "hand the next one `topk_indices` beside the hidden states, whose shapes come from the micro-batch " \
-           "shape (ParallelOptions.pp_microbatch_shape" in hf_pipeline_refusal(glm_dsa, "GPipe", None)
+    assert "hand the next one `topk_indices` beside the hidden states, whose shapes the stages take from the " \
+           "micro-batch shape (ParallelOptions.pp_microbatch_shape)" in hf_pipeline_refusal(glm_dsa, "GPipe", None)
     assert hf_pipeline_refusal(tiny_model("kolibri1_1", seed=0), "GPipe") == (
         "Kolibri1_1ForCausalLM: its layers share `shared_kv_states` (KVSharingDict), which they write into and "
         "read back; a pipeline stage boundary carries only what a layer returns for the next one; use pp = 1")
@@ -278,6 +278,32 @@ def test_four_rank_layouts_train_the_one_process_run(folder, tmp_path):
     for run in runs:
         np.testing.assert_allclose(np.array(steps(tmp_path / run)), np.array(steps(tmp_path / "one")), rtol=REL,
                                    err_msg=run)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_of_a_hash_routed_hyper_connection_model_under_ep(tmp_path):
+    """A DeepSeek-V4-shaped folder under pp=2 x ep=2 from `moeflow train`: its stages hand on the hyper-connection
+    streams [B, S, hc, D], the second stage's hash-routed layers get the token ids, the hc head sits on the last
+    stage; the one-process losses."""
+    from tests.parallel.layout_worker import launch
+    from tests.support.hf_tiny import causal_lm_class, randomize, tiny_config
+
+    folder = tmp_path / "dsv4"
+    config = tiny_config("deepseek_v4")
+    config.mlp_layer_types = ["hash_moe", "hash_moe"]  # the second stage's layer routes by the token ids too
+    model = causal_lm_class("deepseek_v4")(config)
+    randomize(model, seed=0)
+    for layer in model.model.layers:  # each token's experts (a table the folder holds; zeros as constructed)
+        table = layer.mlp.gate.tid2eid
+        table.copy_(torch.randint(0, config.n_routed_experts, table.shape, generator=torch.Generator().manual_seed(0)))
+    model.save_pretrained(folder)
+    np.random.default_rng(0).integers(0, model.config.vocab_size, 20000).astype(np.uint16).tofile(
+        folder / "tokens.bin")
+    train(load_config(None, _overrides(folder, tmp_path / "one")), fresh=True, progress=False)
+    argv = [f"--{k}={v}" for k, v in _overrides(folder, tmp_path / "pp2ep2", **{"parallel.pp": 2,
+                                                                                "parallel.ep": 2}).items()]
+    assert launch(4, [("pp2ep2", argv, str(tmp_path / "pp2ep2"), False)]) == {"pp2ep2": "ok"}
+    np.testing.assert_allclose(np.array(steps(tmp_path / "pp2ep2")), np.array(steps(tmp_path / "one")), rtol=REL)
 
 
 def test_a_selection_bias_moves_as_moeflows_aux_free_routers(tmp_path):
