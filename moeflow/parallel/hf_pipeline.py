@@ -128,7 +128,7 @@ class Dropped(nn.Module):
         super().__init__()
         weight = getattr(part, "weight", None)
         if isinstance(weight, torch.Tensor):
-            self.weight = torch.zeros((), dtype=weight.dtype)
+            self.weight = torch.zeros((), dtype=weight.dtype, device="cpu")  # (a 0-dim CPU tensor: any device's)
 
     def forward(self, *args, **kwargs):
         return args[0] if args else next(iter(kwargs.values()))
@@ -213,7 +213,7 @@ def _drop(base: nn.Module, attribute: str) -> None:
         setattr(base, attribute, Dropped(getattr(base, attribute)))
     else:
         del base._parameters[attribute]
-        setattr(base, attribute, torch.zeros(()))
+        setattr(base, attribute, torch.zeros((), device="cpu"))  # a 0-dim CPU tensor combines with any device's
 
 
 def _layer_outputs(model: nn.Module, microbatch_shape: tuple | None) -> list[tuple] | None:
