@@ -157,6 +157,9 @@ def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tu
     if unplaced:
         first = next(n for n, _ in model.named_parameters() if n.split(".")[:2] in (["model", unplaced[0]],
                                                                                    [unplaced[0]]))
+        if layer_loop(type(model.model)) is None:  # (Inkling2-Loop runs a span of its layers several times)
+            return (f"{name}: its forward does not run its layers in one loop over `self.layers`, which a pipeline "
+                    f"split reads to place what runs before and after them ({first}); use pp = 1")
         return (f"{name}: parameters its forward reads among the layers or beside their inputs have no pipeline "
                 f"stage; {first} is one; use pp = 1")
     if loop.carried and microbatch_shape is None:
