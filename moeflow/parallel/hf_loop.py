@@ -15,6 +15,7 @@ and what the forward reads of the model before and after its loop over the layer
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ def _assigned(nodes) -> dict[str, ast.AST]:
     return out
 
 
+@functools.cache  # read once per class: the refusals, the stage split and the tp / cp checks all ask
 def layer_loop(model_class: type) -> LayerLoop | None:
     """The loop of `model_class.forward` over `self.layers` (module docstring); None where there is none to read."""
     try:

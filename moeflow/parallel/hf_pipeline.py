@@ -219,7 +219,7 @@ def _drop(base: nn.Module, attribute: str) -> None:
         setattr(base, attribute, torch.zeros((), device="cpu"))  # a 0-dim CPU tensor combines with any device's
 
 
-def _layer_outputs(model: nn.Module, microbatch_shape: tuple | None) -> list[tuple] | None:
+def _layer_outputs(model: nn.Module, microbatch_shape: tuple | None) -> list[tuple | None] | None:
     """((shape, dtype), ...) of what each layer returns for a micro-batch of `microbatch_shape` (rows, seq[, dtype
     of autocast]): a forward on fake tensors (no memory, no compute), the experts as transformers' batched matmuls
     (whose shapes do not depend on the routing). None where the shape is not known."""
@@ -262,7 +262,8 @@ def _layer_outputs(model: nn.Module, microbatch_shape: tuple | None) -> list[tup
         for key, config in configs.items():
             if kept[key] is not None:
                 config._experts_implementation = kept[key]
-    return [outputs[i] for i in range(len(model.model.layers))]
+    # (a layer the forward does not run, past config.num_hidden_layers, hands on nothing)
+    return [outputs.get(i) for i in range(len(model.model.layers))]
 
 
 def stage_boundary(module: nn.Module) -> tuple[tuple | None, tuple | None] | None:
