@@ -22,7 +22,8 @@ The last stage returns the causal LM's own logits (its head, and any logit scale
 One stage per rank (GPipe, 1F1B). Refused before anything changes: tied embeddings (the embedding and the head
 would live on different stages), parameters the forward reads inside its loop or beside the layers' inputs
 (per-layer embeddings computed from the token ids), and state the layers share other than through their outputs
-(a key-value sharing dict, blocks of earlier layers' outputs).
+(a key-value sharing dict whose config has layers reuse another's keys and values, blocks of earlier layers'
+outputs).
 
     stages = build_hf_stage_modules(model, pp_rank, pp_size, schedule_name, boundaries, microbatch_shape)  # [model]
 """
@@ -134,6 +135,14 @@ class Dropped(nn.Module):
         return args[0] if args else next(iter(kwargs.values()))
 
 
+def _reads_no_shared_kv(model: nn.Module) -> bool:
+    """Whether no layer reads keys and values another layer wrote into the dict the layers share: transformers'
+    key-value sharing (Gemma 3n / 4) reuses them in the last `num_kv_shared_layers` layers of the config, and with
+    none (Gemma 4's MoE release) the dict only keeps a copy for an assistant model, which training does not read,
+    so a stage boundary has nothing to carry. Unknown (no such field, or other sharing): False."""
+    return getattr(model.config.get_text_config(), "num_kv_shared_layers", None) == 0
+
+
 def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tuple | None = ()) -> str | None:
     """Why this transformers model cannot be split into pipeline stages (None when it can). `microbatch_shape`:
     the (rows, seq, ...) the stages will be built for; None where it is not known (tensor parallelism)."""
@@ -150,7 +159,7 @@ def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tu
         return (f"{name}: tied embeddings would sit on two pipeline stages (the embedding on the first, the output "
                 f"head on the last); use pp = 1")
     loop = _loop(model)
-    if loop.unsupported:
+    if loop.unsupported and not (loop.shared and _reads_no_shared_kv(model)):
         return (f"{name}: {loop.unsupported}; a pipeline stage boundary carries only what a layer returns for the "
                 f"next one; use pp = 1")
     unplaced = [a for a, holder in _outside(model).items() if not holder]

@@ -208,7 +208,7 @@ def test_pipeline_splits_it_cannot_make_are_named(folder):
     carried selection whose shapes are not known: one line each."""
     from moeflow.models.hf_transformers import load
     from moeflow.parallel.hf_pipeline import hf_pipeline_refusal
-    from tests.support.hf_tiny import tiny_model
+    from tests.support.hf_tiny import tiny_config, tiny_model
 
     model = load(folder, "meta")
     assert hf_pipeline_refusal(model, "1F1B") is None
@@ -227,6 +227,21 @@ def test_pipeline_splits_it_cannot_make_are_named(folder):
     assert hf_pipeline_refusal(tiny_model("kolibri1_1", seed=0), "GPipe") == (
         "Kolibri1_1ForCausalLM: its layers share `shared_kv_states` (KVSharingDict), which they write into and "
         "read back; a pipeline stage boundary carries only what a layer returns for the next one; use pp = 1")
+    # Gemma 4 passes its layers a key-value sharing dict; only a config whose last layers reuse another's keys and
+    # values needs it carried (its MoE release shares none), and per-layer embeddings have no stage
+    def gemma4(**changes):
+        config = tiny_config("gemma4")
+        for key, value in changes.items():
+            setattr(config, key, value)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    assert tiny_config("gemma4").num_kv_shared_layers == 0 and hf_pipeline_refusal(gemma4(), "GPipe") is None
+    sharing = gemma4(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                     num_kv_shared_layers=2)  # layers 2 and 3 read layer 0's and layer 1's keys and values
+    assert sharing.model.layers[3].self_attn.is_kv_shared_layer
+    assert "its layers share `shared_kv_states` (KVSharingDict)" in hf_pipeline_refusal(sharing, "GPipe")
+    assert "model.embed_tokens_per_layer.weight is one" in hf_pipeline_refusal(
+        gemma4(hidden_size_per_layer_input=16), "GPipe")
     assert "its loop builds `block_states` from the layers' outputs" in hf_pipeline_refusal(
         tiny_model("inkling2", seed=0), "GPipe")
     assert hf_pipeline_refusal(tiny_model("nemotron_h"), "GPipe") is None  # its embedding is model.embeddings
