@@ -85,6 +85,12 @@ def is_moe(module: nn.Module) -> bool:
     return any(isinstance(m, Router) or is_hf_experts(m) for m in module.modules())
 
 
+def experts_in_layer(block: nn.Module) -> list[str]:
+    """Names of a block's own children that are transformers experts modules: an MoE the block's forward computes
+    itself from its router and experts (Gemma 4's, beside its dense MLP), rather than in an MoE block of its own."""
+    return [name for name, child in named_parts(block) if is_hf_experts(child)]
+
+
 def named_parts(block: nn.Module):
     """(name, module) of a block's children, each item of a ModuleList child under its own dotted name (LongCat-Flash's
     layer holds its two attentions, two MLPs and their norms in lists: self_attn.0, self_attn.1, mlps.0, ...). A

@@ -27,7 +27,7 @@ from moeflow.parallel.adapter import ModelAdapter, adapter_for
 from moeflow.parallel.fp8 import apply_fp8
 from moeflow.parallel.hf_experts import is_expert_parallel_hf
 from moeflow.parallel.loss import tp_loss
-from moeflow.parallel.module_names import attentions_of, beside_moe, ffn_of
+from moeflow.parallel.module_names import attentions_of, beside_moe, experts_in_layer, ffn_of
 from moeflow.parallel.options import ParallelOptions
 from moeflow.parallel.recompute import apply_activation_checkpointing
 from moeflow.parallel.runner import LocalRunner, MTPObjective, local_token_scale
@@ -222,6 +222,10 @@ def fsdp(b: _Build) -> None:
                 b.state.tp_partial += [p for p in ffn.parameters() if id(p) not in spread]
                 b.state.tp_partial += [p for name in beside_moe(block, b.adapter.names)
                                        for p in block.get_submodule(name).parameters()]
+            # an MoE the layer's own forward computes (Gemma 4's): the layer runs on this tp rank's tokens, its
+            # router and norms are PerTokenParts (summed through tp_per_token), its experts spread over ep x tp
+            b.state.tp_distinct += [p for name in experts_in_layer(block)
+                                    for p in block.get_submodule(name).parameters()]
 
 
 def runner(b: _Build) -> None:

@@ -70,6 +70,7 @@ from moeflow.parallel.hf_loop import carries_state
 from moeflow.parallel.module_names import (
     attentions_of,
     beside_moe,
+    experts_in_layer,
     ffn_of,
     is_moe,
     is_norm,
@@ -720,6 +721,8 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
     for found, patterns in _layer_patterns(names.layers, layers, dense_others).items():
         plan.update({key: style for pattern in patterns for name, projections in found
                      for key, style in _dense_ffn_plan(f"{pattern}.{name}", projections).items()})
+    if any(experts_in_layer(layer) for layer in layers.values()):
+        plan = _layers_on_local_tokens(model, plan, layers, names, fold_experts, bool(whole))
     if _module(model, names.final_norm) is not None:
         plan[names.final_norm] = SequenceParallel()
     has_embedding, has_head = _module(model, names.embedding) is not None, _module(model, names.head) is not None
@@ -736,6 +739,48 @@ def _plan(model: nn.Module, adapter, loss_parallel: bool, fold_experts: bool) ->
             use_local_output=True,
         )
     return plan
+
+
+def _layers_on_local_tokens(model: nn.Module, plan: dict, layers: dict[str, nn.Module], names, fold_experts: bool,
+                            whole: bool) -> dict[str, ParallelStyle]:
+    """The plan of layers whose forward computes its MoE itself (Gemma 4's: router and experts are the layer's own
+    children, called on `residual.reshape(-1, D)`, which a sequence-sharded DTensor cannot take without gathering):
+    each layer runs on this tp rank's sequence slice (LocalTokens), as a folded MoE block does. Inside it the
+    attention and the dense MLP gather the sequence from their plain input and hand back plain local rows (their
+    row-sharded projections' reduce-scatter, then `use_local_output`); every other part with parameters (norms, the
+    router) is a PerTokenPart, its replicated parameters' gradients summed over tp after backward; the experts are
+    spread over the ep x tp ranks by expert parallelism."""
+    name = type(model).__name__
+    itself = f"{name}: its layers compute their MoE in their own forward (no MoE block to hand the sequence slice)"
+    if not fold_experts:
+        raise ValueError(f"{itself}, which runs on each tp rank's tokens only with the MoE folded over tp; set "
+                         f"parallel.ep_over_tp = true")
+    if whole or not all(experts_in_layer(layer) for layer in layers.values()):
+        why = "some of its layers' token mixers run whole on every tp rank" if whole else "only some of them do"
+        raise ValueError(f"{itself}, and {why}; {HOW_TO_PASS_A_PLAN}")
+    out: dict[str, ParallelStyle] = {f"{names.layers}.*": LocalTokens()}
+    for pattern, style in plan.items():
+        inside = pattern.startswith(f"{names.layers}.") and pattern.count(".") > names.layers.count(".") + 1
+        if not inside:
+            out[pattern] = style
+        elif isinstance(style, SequenceParallel) and not isinstance(style, HeadShardedNorm):  # a layer's norm
+            out[pattern] = PerTokenPart()
+        elif isinstance(style, RowwiseParallel) and style.output_layouts == (Shard(1),):  # o_proj, down_proj
+            style.use_local_output = True
+            out[pattern] = style
+        elif not (isinstance(style, PerTokenPart) and pattern.rpartition(".")[2] in
+                  {n for layer in layers.values() for n in experts_in_layer(layer)}):
+            out[pattern] = style  # (the experts, per-token before, take no style: expert parallelism spreads them)
+    for key, layer in layers.items():  # the rest with parameters runs on the rank's tokens: the router
+        for part, child in named_parts(layer):
+            fqn = f"{names.layers}.{key}.{part}"
+            if (any(True for _ in child.parameters()) and part not in experts_in_layer(layer)
+                    and not any(_pattern_matches(p, fqn) for p in out)):
+                out[fqn] = PerTokenPart()
+        if any(True for _ in layer.parameters(recurse=False)):
+            raise ValueError(f"{name}: layer {key} applies parameters of its own to its sequence slice; "
+                             f"{HOW_TO_PASS_A_PLAN}")
+    return out
 
 
 def tp_plan(model: nn.Module, *, loss_parallel: bool = True, fold_experts: bool = False) -> dict[str, ParallelStyle]:

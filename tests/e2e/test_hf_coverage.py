@@ -2,8 +2,8 @@
 architecture found is "ok" or a one-line refusal, never a failure, and agrees with the committed results file
 that README.md's table is rendered from (bench/results/hf_coverage.json).
 
-CI runs two of the architectures the README names (the families users bring most) and three whose pipeline stages
-hand on more than the hidden states; the slow test runs all and
+CI runs two of the architectures the README names (the families users bring most), three whose pipeline stages
+hand on more than the hidden states and Gemma 4, whose layers compute their MoE themselves; the slow test runs all and
 also checks that the committed file lists exactly the architectures the installed transformers has."""
 
 from __future__ import annotations
@@ -56,6 +56,17 @@ def test_pipeline_stages_hand_on_more_than_the_hidden_states():
     cells = matrix(["glm_moe_dsa", "zaya", "deepseek_v4"])
     _check(cells)
     assert {arch: row["pp=2"] for arch, row in cells.items()} == dict.fromkeys(cells, "ok")
+
+
+@pytest.mark.timeout(200)
+def test_a_layer_that_computes_its_moe_itself_takes_every_layout():
+    """Gemma 4 (its MoE release's shape): each layer runs its router and experts on `residual.reshape(-1, D)` in
+    its own forward, beside a dense MLP, so under tp=2 the layer runs on its tp rank's sequence slice with its
+    attention and MLP gathering the sequence; its layers pass a key-value sharing dict that this config never fills,
+    so pp=2 splits it. Each against one process (losses, gradient norms)."""
+    cells = matrix(["gemma4"])
+    _check(cells)
+    assert cells["gemma4"] | {"native": "ok"} == dict.fromkeys(CAPABILITIES, "ok")
 
 
 @pytest.mark.slow

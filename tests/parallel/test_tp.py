@@ -105,3 +105,30 @@ def test_a_layer_holding_its_parts_in_lists_is_planned_item_by_item():
         assert isinstance(plan[f"model.layers.*.input_layernorm.{i}"], SequenceParallel)
     assert isinstance(plan["model.layers.*.mlp"], LocalTokens)
     assert isinstance(tp_plan(tiny_model("zaya"))["model"], ReplicatedParameters)
+
+
+def test_a_layer_that_computes_its_moe_itself_runs_on_its_sequence_slice():
+    """Gemma 4's layer calls its router and experts on `residual.reshape(-1, D)` in its own forward: the plan runs
+    the layer on the tp rank's tokens, its attention and dense MLP gather the sequence and hand back local rows, its
+    norms and router are per-token parts (gradients summed over tp), its experts take no style (expert parallelism
+    spreads them). Unfolded (every tp rank running the whole MoE), it has no built-in plan: one line naming the fix."""
+    import pytest
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from moeflow.parallel.tensor import LocalTokens, PerTokenPart, tp_plan
+    from tests.support.hf_tiny import tiny_model
+
+    model = tiny_model("gemma4")
+    plan = tp_plan(model, fold_experts=True)
+    assert type(plan["model.layers.*"]) is LocalTokens
+    for down in ("self_attn.o_proj", "mlp.down_proj"):
+        style = plan[f"model.layers.*.{down}"]
+        assert isinstance(style, RowwiseParallel) and style.use_local_output
+    assert isinstance(plan["model.layers.*.pre_feedforward_layernorm_2"], PerTokenPart)
+    assert isinstance(plan["model.layers.0.router"], PerTokenPart)
+    assert not any(pattern.endswith("experts") for pattern in plan)
+    with pytest.raises(ValueError, match=r"^Gemma4ForCausalLM: its layers compute their MoE in their own forward "
+                                         r"\(no MoE block to hand the sequence slice\), which runs on each tp "
+                                         r"rank's tokens only with the MoE folded over tp; set "
+                                         r"parallel.ep_over_tp = true$"):
+        tp_plan(model, fold_experts=False)
