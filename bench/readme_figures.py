@@ -225,10 +225,10 @@ def hf_ep_table() -> str:
     meta, rows = r["meta"], r["rows"]
     lines = [_wrap(f"`bench/hf_ep.py` (`bench/results/hf_ep.json`): ep=2 on 2 gloo ranks, {meta['tokens_per_rank']} "
                    f"tokens per rank, fp32, hidden {meta['shape']['D']}, {meta['shape']['layers']} layers, "
-                   f"{meta['shape']['experts']} experts (top-{meta['shape']['top_k']}), each case in a pair of processes "
-                   f"of its own, medians of {meta['repeats']} fused-AdamW steps of the slowest rank (the fastest of "
-                   f"{meta['rounds']} rounds, the cases in rotated order); every case of an architecture starts from "
-                   f"the same weights and batch and gives the same first loss:"), "",
+                   f"{meta['shape']['experts']} experts (top-{meta['shape']['top_k']}), each case in a pair of "
+                   f"processes of its own, medians of {meta['repeats']} fused-AdamW steps of the slowest rank (the "
+                   f"fastest of {meta['rounds']} rounds, the cases in rotated order); every case of an architecture "
+                   f"starts from the same weights and batch and gives the same first loss:"), "",
              "| case | step | tokens/s | vs moeflow native | vs transformers' own EP | vs the fastest peer | "
              "matmul + attention kernels |",
              "|---|---|---|---|---|---|---|"]
@@ -241,8 +241,8 @@ def hf_ep_table() -> str:
     best = max(by["qwen3_moe transformers"]["vs_fastest_peer"], by["gpt_oss transformers"]["vs_fastest_peer"])
     lines += ["", _wrap(f"`transformers` is moeflow on transformers' modules (`model.hf_impl = 'transformers'`); the "
                         f"peers: `transformers-ep`, transformers' own `DistributedConfig(fsdp_size=2, ep_size=2)` "
-                        f"with a plain loop, and `deepspeed-autoep`, DeepSpeed 0.19.8's AutoEP (ZeRO stage 0, in a venv "
-                        f"of its own; it has no gpt-oss preset). Targets: "
+                        f"with a plain loop, and `deepspeed-autoep`, DeepSpeed 0.19.8's AutoEP (ZeRO stage 0, in a "
+                        f"venv of its own; it has no gpt-oss preset). Targets: "
                         f"moeflow >= 1.2x the fastest peer ({'met' if best >= 1.2 else 'not met'}: "
                         f"{by['qwen3_moe transformers']['vs_fastest_peer']:.2f}x and "
                         f"{by['gpt_oss transformers']['vs_fastest_peer']:.2f}x on transformers' modules, "
