@@ -21,9 +21,10 @@ has the shapes a forward on fake tensors gives (`_layer_outputs`), so the stages
 The last stage returns the causal LM's own logits (its head, and any logit scale or cap the architecture applies).
 One stage per rank (GPipe, 1F1B). Refused before anything changes: tied embeddings (the embedding and the head
 would live on different stages), parameters the forward reads inside its loop or beside the layers' inputs
-(per-layer embeddings computed from the token ids), and state the layers share other than through their outputs
-(a key-value sharing dict whose config has layers reuse another's keys and values, blocks of earlier layers'
-outputs).
+(per-layer embeddings computed from the token ids), state the layers share other than through their outputs
+(blocks of earlier layers' outputs; keys and values a layer reads from a layer of another stage through
+transformers' key-value sharing dict: `kv_sources`), and what the layers hand on where the forward on fake tensors
+cannot read its shapes (a selection its values decide).
 
     stages = build_hf_stage_modules(model, pp_rank, pp_size, schedule_name, boundaries, microbatch_shape)  # [model]
 """
@@ -135,17 +136,47 @@ class Dropped(nn.Module):
         return args[0] if args else next(iter(kwargs.values()))
 
 
-def _reads_no_shared_kv(model: nn.Module) -> bool:
-    """Whether no layer reads keys and values another layer wrote into the dict the layers share: transformers'
-    key-value sharing (Gemma 3n / 4) reuses them in the last `num_kv_shared_layers` layers of the config, and with
-    none (Gemma 4's MoE release) the dict only keeps a copy for an assistant model, which training does not read,
-    so a stage boundary has nothing to carry. Unknown (no such field, or other sharing): False."""
-    return getattr(model.config.get_text_config(), "num_kv_shared_layers", None) == 0
+def kv_sources(model: nn.Module) -> dict[int, int] | None:
+    """{layer: the layer whose keys and values it reads} where the config says so, through the dict transformers'
+    key-value sharing passes every layer: Kolibri-1.1's `kv_source_layers`, one per layer; Gemma 3n's and 4's last
+    `num_kv_shared_layers` layers, each reading the last earlier layer of its attention type (`kv_sharing_modes`:
+    'store', 'reuse'; Gemma 4's MoE release shares none, and a layer that only stores keeps a copy for an
+    assistant model, which training does not read). None where the config does not say."""
+    config = model.config.get_text_config()
+    sources = getattr(config, "kv_source_layers", None)
+    if isinstance(sources, list | tuple):
+        return {j: i for j, i in enumerate(sources) if i != j}
+    modes = getattr(config, "kv_sharing_modes", None)
+    if isinstance(modes, list | tuple):
+        types = config.layer_types
+        store = {types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+        return {j: store[types[j]] for j, mode in enumerate(modes) if mode == "reuse"}
+    return None
 
 
-def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tuple | None = ()) -> str | None:
-    """Why this transformers model cannot be split into pipeline stages (None when it can). `microbatch_shape`:
-    the (rows, seq, ...) the stages will be built for; None where it is not known (tensor parallelism)."""
+def _split_sharing(model: nn.Module, loop: LayerLoop, pp_size: int, schedule: str, boundaries) -> str | None:
+    """Why the layers' shared dict stops this split (None when every layer that reads another's keys and values
+    sits on that layer's stage, so nothing of it crosses a boundary)."""
+    sources = kv_sources(model)
+    if sources is None:
+        return loop.unsupported
+    stage_of = {i: spec.index for spec in pipeline_layout(len(model.model.layers), pp_size, schedule, boundaries)
+                for i in spec.layers}
+    apart = [(j, i) for j, i in sorted(sources.items()) if stage_of[j] != stage_of[i]]
+    if not apart:
+        return None
+    j, i = apart[0]
+    return (f"layer {j} reads the keys and values layer {i} writes into `{loop.shared}`, and the split puts "
+            f"them on stages {stage_of[i]} and {stage_of[j]}")
+
+
+def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tuple | None = (), pp_size: int = 2,
+                        boundaries=None) -> str | None:
+    """Why this transformers model cannot be split into `pp_size` pipeline stages (None when it can).
+    `microbatch_shape`: the (rows, seq, ...) the stages will be built for; () where it is not known yet (the run's
+    check before any rank starts: a model whose layers hand each other more than the hidden states then gets the
+    forward on fake tensors the stage split runs, on a PROBE_SHAPE micro-batch); None where it is not known
+    (tensor parallelism). `boundaries`: ParallelOptions.pp_boundaries (None: an even split)."""
     name = type(model).__name__
     if SCHEDULES[resolve_schedule(pp_schedule)].placement != "single":
         return (f"{name}: transformers' modules run one pipeline stage per rank; parallel.pp_schedule = "
@@ -159,9 +190,10 @@ def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tu
         return (f"{name}: tied embeddings would sit on two pipeline stages (the embedding on the first, the output "
                 f"head on the last); use pp = 1")
     loop = _loop(model)
-    if loop.unsupported and not (loop.shared and _reads_no_shared_kv(model)):
-        return (f"{name}: {loop.unsupported}; a pipeline stage boundary carries only what a layer returns for the "
-                f"next one; use pp = 1")
+    why = _split_sharing(model, loop, pp_size, pp_schedule, boundaries) if loop.shared else loop.unsupported
+    if why:
+        return (f"{name}: {why}; a pipeline stage boundary carries only what a layer returns for the next one; use "
+                f"pp = 1")
     unplaced = [a for a, holder in _outside(model).items() if not holder]
     if unplaced:
         first = next(n for n, _ in model.named_parameters() if n.split(".")[:2] in (["model", unplaced[0]],
@@ -176,6 +208,11 @@ def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tu
                 f"shapes the stages take from the micro-batch shape (ParallelOptions.pp_microbatch_shape), which "
                 f"tensor parallelism leaves unset (torch infers the shapes of its DTensor logits); use pp or tp, "
                 f"not both")
+    if loop.carried and microbatch_shape == ():  # before any rank starts: whether the stage split will read them
+        try:
+            _layer_outputs(model, PROBE_SHAPE)
+        except ValueError as e:
+            return str(e)
     return None
 
 
@@ -184,7 +221,7 @@ def build_hf_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, schedul
     """This rank's stage of `model` (trimmed in place to what it holds; its class gains the stage's forward):
     [model]. ValueError (hf_pipeline_refusal) before anything changes. `microbatch_shape` (rows, seq[, dtype]):
     the stages' boundaries get their shapes from it where they carry more than the hidden states."""
-    why = hf_pipeline_refusal(model, schedule_name, microbatch_shape)
+    why = hf_pipeline_refusal(model, schedule_name, microbatch_shape, pp_size, boundaries)
     if why:
         raise ValueError(why)
     loop, outside = _loop(model), _outside(model)
@@ -228,6 +265,9 @@ def _drop(base: nn.Module, attribute: str) -> None:
         setattr(base, attribute, torch.zeros((), device="cpu"))  # a 0-dim CPU tensor combines with any device's
 
 
+PROBE_SHAPE = (1, 16)  # (rows, seq) of the micro-batch the check before launch reads the boundary shapes with
+
+
 def _layer_outputs(model: nn.Module, microbatch_shape: tuple | None) -> list[tuple | None] | None:
     """((shape, dtype), ...) of what each layer returns for a micro-batch of `microbatch_shape` (rows, seq[, dtype
     of autocast]): a forward on fake tensors (no memory, no compute), the experts as transformers' batched matmuls
@@ -263,8 +303,10 @@ def _layer_outputs(model: nn.Module, microbatch_shape: tuple | None) -> list[tup
             ids = torch.zeros(rows, seq, dtype=torch.long, device=device)
             torch.func.functional_call(model, state, (), {"input_ids": ids, "use_cache": False}, strict=False)
     except Exception as e:  # (noqa: the architectures' own code raises anything) # noqa: BLE001
+        detail = str(e).splitlines()[0].split(" (")[0]  # (torch's guard errors go on with hints)
         raise ValueError(f"{type(model).__name__}: the shapes its layers hand each other could not be read from a "
-                         f"forward on fake tensors ({type(e).__name__}: {str(e).splitlines()[0]}); use pp = 1") from e
+                         f"forward on fake tensors, whose values are unknown ({type(e).__name__}: {detail}); use "
+                         f"pp = 1") from e
     finally:
         for hook in hooks:
             hook.remove()

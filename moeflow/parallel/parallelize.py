@@ -44,8 +44,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
     if dims.world_size != world:
         raise ValueError(f"ParallelDims is for {dims.world_size} ranks but the process group has {world}")
     adapter = adapter_for(model)
-    adapter.check(dims)
-    build = _Build(model, adapter, dims, options or ParallelOptions(), ParallelState(model, dims))
+    options = options or ParallelOptions()
+    adapter.check(dims, options.pp_boundaries)
+    build = _Build(model, adapter, dims, options, ParallelState(model, dims))
     for step in STEPS:
         step(build)
     return build.state

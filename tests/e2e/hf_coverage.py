@@ -196,15 +196,16 @@ def _read_owned(ref: torch.nn.Module, folder: Path, dims) -> str:
     return "ok"
 
 
-def _train_pipeline(ref: torch.nn.Module, dims, batches: list[torch.Tensor]) -> None:
+def _train_pipeline(ref: torch.nn.Module, dims, batches: list[torch.Tensor], boundaries=None) -> None:
     """STEPS AdamW steps of `ref`'s pipeline stages (each rank its own, both on the whole batch, in 2
-    micro-batches), each step's loss and gradient norm checked against `ref` trained in this process."""
+    micro-batches; split at `boundaries`, else evenly), each step's loss and gradient norm checked against `ref`
+    trained in this process."""
     import moeflow
     from moeflow.parallel.grads import clip_grad_norm_
 
     # two micro-batches of one row: the stages' boundaries take their shapes from it, as under `moeflow train`
-    state = moeflow.parallelize(copy.deepcopy(ref), dims, moeflow.ParallelOptions(microbatches=2,
-                                                                                  pp_microbatch_shape=(1, S)))
+    state = moeflow.parallelize(copy.deepcopy(ref), dims, moeflow.ParallelOptions(
+        microbatches=2, pp_microbatch_shape=(1, S), pp_boundaries=boundaries))
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=EPS)
     opt_par = torch.optim.AdamW(state.model.parameters(), lr=1e-3, weight_decay=0.1, eps=EPS)
     for step, ids in enumerate(batches):

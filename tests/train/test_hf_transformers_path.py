@@ -204,10 +204,11 @@ def test_a_token_mixer_without_a_plan_runs_whole_under_tensor_and_context_parall
 
 
 def test_pipeline_splits_it_cannot_make_are_named(folder):
-    """Several stages per rank, tied embeddings, state the layers share other than through their outputs, and a
-    carried selection whose shapes are not known: one line each."""
+    """Several stages per rank, tied embeddings, keys and values a layer reads from a layer on another stage, state
+    the layers share other than through their outputs, and a carried selection whose shapes are not known: one
+    line each."""
     from moeflow.models.hf_transformers import load
-    from moeflow.parallel.hf_pipeline import hf_pipeline_refusal
+    from moeflow.parallel.hf_pipeline import hf_pipeline_refusal, kv_sources
     from tests.support.hf_tiny import tiny_config, tiny_model
 
     model = load(folder, "meta")
@@ -224,9 +225,13 @@ def test_pipeline_splits_it_cannot_make_are_named(folder):
     assert hf_pipeline_refusal(glm_dsa, "GPipe") is None
     assert "hand the next one `topk_indices` beside the hidden states, whose shapes the stages take from the " \
            "micro-batch shape (ParallelOptions.pp_microbatch_shape)" in hf_pipeline_refusal(glm_dsa, "GPipe", None)
-    assert hf_pipeline_refusal(tiny_model("kolibri1_1", seed=0), "GPipe") == (
-        "Kolibri1_1ForCausalLM: its layers share `shared_kv_states` (KVSharingDict), which they write into and "
-        "read back; a pipeline stage boundary carries only what a layer returns for the next one; use pp = 1")
+    # Kolibri-1.1's layer 3 reads layer 2's keys and values (one stage), but its indexer's selection, which the
+    # layers hand on, has shapes only its values decide: refused before any rank starts
+    kolibri = tiny_model("kolibri1_1", seed=0)
+    assert kv_sources(kolibri) == {3: 2}
+    assert hf_pipeline_refusal(kolibri, "GPipe").startswith(
+        "Kolibri1_1ForCausalLM: the shapes its layers hand each other could not be read from a forward on fake "
+        "tensors, whose values are unknown (GuardOnDataDependentSymNode")
     # Gemma 4 passes its layers a key-value sharing dict; only a config whose last layers reuse another's keys and
     # values needs it carried (its MoE release shares none), and per-layer embeddings have no stage
     def gemma4(**changes):
@@ -236,10 +241,14 @@ def test_pipeline_splits_it_cannot_make_are_named(folder):
         return transformers.AutoModelForCausalLM.from_config(config)
 
     assert tiny_config("gemma4").num_kv_shared_layers == 0 and hf_pipeline_refusal(gemma4(), "GPipe") is None
-    sharing = gemma4(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
-                     num_kv_shared_layers=2)  # layers 2 and 3 read layer 0's and layer 1's keys and values
-    assert sharing.model.layers[3].self_attn.is_kv_shared_layer
-    assert "its layers share `shared_kv_states` (KVSharingDict)" in hf_pipeline_refusal(sharing, "GPipe")
+    sharing = gemma4(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
+                     num_kv_shared_layers=2)  # layers 4 and 5 read layer 2's and layer 3's keys and values
+    assert sharing.model.layers[5].self_attn.is_kv_shared_layer and kv_sources(sharing) == {4: 2, 5: 3}
+    assert hf_pipeline_refusal(sharing, "GPipe") == (  # an even split: layers 0-2 and 3-5
+        "Gemma4ForCausalLM: layer 4 reads the keys and values layer 2 writes into `shared_kv_states`, and the split "
+        "puts them on stages 0 and 1; a pipeline stage boundary carries only what a layer returns for the next one; "
+        "use pp = 1")
+    assert hf_pipeline_refusal(sharing, "GPipe", (), 2, (0, 2)) is None  # layers 0-1 and 2-5: readers with sources
     assert "model.embed_tokens_per_layer.weight is one" in hf_pipeline_refusal(
         gemma4(hidden_size_per_layer_input=16), "GPipe")
     assert "its loop builds `block_states` from the layers' outputs" in hf_pipeline_refusal(
