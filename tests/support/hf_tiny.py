@@ -54,8 +54,8 @@ TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # the full-size i
 OVERRIDES = {
     "zaya": dict(num_experts_per_tok=1),  # its config validator allows top-1 only
     # its experts sit beside the dense MLP, off by default; and as in its MoE release (26B-A4B), no per-layer
-    # embeddings (those are its small dense models')
-    "gemma4": dict(enable_moe_block=True, hidden_size_per_layer_input=0),
+    # embeddings (those are its small dense models') and the full-attention layers' values are their keys
+    "gemma4": dict(enable_moe_block=True, hidden_size_per_layer_input=0, attention_k_eq_v=True),
     "dots1": dict(n_shared_experts=1),  # the default None crashes the shared-expert MLP
     "dots3_note": dict(head_dim=32),  # MLA whose head_dim (the whole query-key head) is a fixed default, not derived
     # default layer_types is None (lfm2_moe) or all linear attention (granitemoehybrid, which then fails in
