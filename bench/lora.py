@@ -6,7 +6,7 @@ tiny Qwen3-MoE folder: tokens/s, peak memory, gradient and optimizer-state bytes
     .venv/bin/python bench/lora.py --quick              # 3 steps: a smoke run
 
 Cases (each in a process of its own, so its peak resident memory is its own; one thread; the same batch and
-AdamW lr 1e-4 in all):
+fused AdamW lr 1e-4 in all, the optimizer `moeflow train` builds):
 
   moeflow full             moeflow's model loaded from the folder, every weight trained
   moeflow lora r=8         the same with peft.method = 'lora', rank 8, alpha 16: attention, dense MLP, experts
@@ -84,7 +84,7 @@ def _moeflow(folder: Path, lora_on: bool, work: Path):
     state = moeflow.parallelize(model, moeflow.ParallelDims(1))
     if lora_on:
         lora.init([model], 0, {}, {})
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
 
     def step(inputs, targets):
         return float(state.runner.train_step(inputs, targets))
@@ -107,7 +107,7 @@ def _transformers(folder: Path, lora_on: bool, work: Path):
                                  target_parameters=["experts.gate_up_proj", "experts.down_proj"])
         model = peft.get_peft_model(model, config)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
 
     def step(inputs, targets):
         logits = model(input_ids=inputs).logits
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "steps": steps, "rounds": rounds,
             "tokens_per_step": B * S,
-            "rank": RANK, "alpha": ALPHA,
+            "rank": RANK, "alpha": ALPHA, "fused": True,
             "shape": dict(D=D, layers=LAYERS, heads=HEADS, experts=E, top_k=K, expert_width=F, vocab=V)}
     (out / "lora.json").write_text(json.dumps({"meta": meta, "rows": table, "ratios": ratios}, indent=1))
     _plot(table, out / "lora.png")

@@ -264,7 +264,8 @@ def lora() -> str:
     lines = [_wrap(f"`bench/lora.py` (`bench/results/lora.json`): a Qwen3-MoE of {meta['shape']['layers']} layers, "
                    f"{meta['shape']['experts']} experts (top-{meta['shape']['top_k']}), hidden {meta['shape']['D']}; "
                    f"one process, fp32, {meta['tokens_per_step']} tokens per step, the median of {meta['steps']} "
-                   f"AdamW steps (the fastest of {meta.get('rounds', 2)} rounds); LoRA rank {meta['rank']} on the "
+                   f"{'fused-' if meta.get('fused') else ''}AdamW steps (the fastest of {meta.get('rounds', 2)} "
+                   f"rounds); LoRA rank {meta['rank']} on the "
                    f"attention projections and every expert's gate_up / down in both programs:"), "",
              "| case | tokens/s | trained params | gradients + optimizer state | checkpoint | peak RSS | loss after |",
              "|---|---|---|---|---|---|---|"]

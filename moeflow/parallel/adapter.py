@@ -65,9 +65,9 @@ class ModelAdapter:
         """The forward the step runner calls: tokens [B, S] (and positions, document ids) -> logits [B, S, V]."""
         return model(inputs, **model_kwargs)
 
-    def check(self, dims: ParallelDims, pp_boundaries=None) -> None:
+    def check(self, dims: ParallelDims, pp_boundaries=None, pp_microbatch_shape: tuple | None = None) -> None:
         """ValueError (one line naming the setting, the value and what works) for sizes this model cannot take;
-        `pp_boundaries`: ParallelOptions.pp_boundaries (None: an even split)."""
+        `pp_boundaries`, `pp_microbatch_shape`: ParallelOptions' (None: an even split; not known yet)."""
         name = type(self.model).__name__
         if dims.pp > 1 and not self.supports_pp:
             raise ValueError(f"parallel.pp = {dims.pp} for a {name}: pipeline parallelism is supported for moeflow "
@@ -100,9 +100,9 @@ class MoeflowAdapter(ModelAdapter):
         mtp = getattr(self.model, "mtp", None) or {}
         return {**dict(self.model.layers.items()), **{f"mtp.{k}": module for k, module in mtp.items()}}
 
-    def check(self, dims: ParallelDims, pp_boundaries=None) -> None:
+    def check(self, dims: ParallelDims, pp_boundaries=None, pp_microbatch_shape: tuple | None = None) -> None:
         dims.check_model(self.model.cfg)
-        super().check(dims, pp_boundaries)
+        super().check(dims, pp_boundaries, pp_microbatch_shape)
 
 
 class HuggingFaceAdapter(ModelAdapter):
@@ -149,14 +149,14 @@ class HuggingFaceAdapter(ModelAdapter):
 
         return logits(model, inputs, **model_kwargs)
 
-    def check(self, dims: ParallelDims, pp_boundaries=None) -> None:
-        super().check(dims, pp_boundaries)
+    def check(self, dims: ParallelDims, pp_boundaries=None, pp_microbatch_shape: tuple | None = None) -> None:
+        super().check(dims, pp_boundaries, pp_microbatch_shape)
         name = type(self.model).__name__
         if dims.pp > 1:
             from moeflow.parallel.hf_pipeline import hf_pipeline_refusal
 
-            why = hf_pipeline_refusal(self.model, dims.pp_schedule, None if dims.tp > 1 else (), dims.pp,
-                                      pp_boundaries)
+            shape = None if dims.tp > 1 else pp_microbatch_shape or ()
+            why = hf_pipeline_refusal(self.model, dims.pp_schedule, shape, dims.pp, pp_boundaries)
             if why:
                 raise ValueError(why)
         if dims.cp > 1:

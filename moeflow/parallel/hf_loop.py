@@ -7,8 +7,10 @@ and what the forward reads of the model before and after its loop over the layer
     loop = layer_loop(type(model.model))     # None where the forward has no single `layer(...)` call in a loop
     loop.carried    ('topk_indices',)        what each layer returns beside the hidden states, for the next one
     loop.slots      ('prev_topk_indices',)   where each goes into the next layer's call: a keyword or a position
-    loop.unsupported                         why a stage boundary cannot carry what the layers share ('' if it can)
-    loop.shared     'shared_kv_states'       the object the layers write into and read back, where that is the why
+    loop.unsupported                         why a stage boundary cannot carry what the layers share ('' if it can),
+                                             but for an object they write into and read back, which is
+    loop.shared     'shared_kv_states'       that object's name (a key-value sharing dict: whether a split must
+    loop.sharing                             carry it depends on the config; moeflow.parallel.hf_pipeline), and why
     loop.reads_ids                           the layers take token ids (hash routing, per-layer embeddings)
     loop.before / loop.after                 attributes of the base model read only before / only after the loop
 """
@@ -29,6 +31,7 @@ class LayerLoop:
     slots: tuple[int | str, ...] = ()
     unsupported: str = ""
     shared: str = ""
+    sharing: str = ""
     reads_ids: bool = False
     before: frozenset[str] = frozenset()
     after: frozenset[str] = frozenset()
@@ -79,7 +82,7 @@ def layer_loop(model_class: type) -> LayerLoop | None:
     target = assign.targets[0]
     outputs = [e.id for e in target.elts if isinstance(e, ast.Name)] if isinstance(target, ast.Tuple) else []
     carried = tuple(outputs[1:])
-    slots, unsupported, shared = [], "", ""
+    slots, unsupported, shared, sharing = [], "", "", ""
     for name in carried:
         slot = [i for i, a in enumerate(call.args) if isinstance(a, ast.Name) and a.id == name]
         slot += [k.arg for k in call.keywords if k.arg and isinstance(k.value, ast.Name) and k.value.id == name]
@@ -94,13 +97,12 @@ def layer_loop(model_class: type) -> LayerLoop | None:
     states = hidden_in | set(outputs)
     for name in sorted(passed - states - set(carried) - arguments):
         if name in inside and _names(inside[name]) & (states | {name}):
-            unsupported = f"its loop builds `{name}` from the layers' outputs and hands it to the later layers"
-            break
+            unsupported = unsupported or (f"its loop builds `{name}` from the layers' outputs and hands it to the "
+                                          f"later layers")
         value = before.get(name)  # an object every layer writes into (keys and values shared across layers)
-        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id[:1].isupper():
-            unsupported = f"its layers share `{name}` ({value.func.id}), which they write into and read back"
-            shared = name
-            break
+        if not shared and isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and \
+                value.func.id[:1].isupper():
+            shared, sharing = name, f"its layers share `{name}` ({value.func.id}), which they write into and read back"
     statements = [s for s in body.body if s is not loop]
     # read before the loop, into the hidden states (not into what the layers take beside them, which the placeholder
     # token ids of a later stage would change: per-layer inputs computed from the ids)
@@ -111,7 +113,7 @@ def layer_loop(model_class: type) -> LayerLoop | None:
     read_inside = _self_attributes(loop) | set().union(
         *(_self_attributes(s) for s in statements if s.lineno <= loop.lineno <= s.end_lineno))
     reads_ids = any(n.endswith("input_ids") for n in passed | {k.arg or "" for k in call.keywords})
-    return LayerLoop(line.strip(), carried, tuple(slots), unsupported, shared, reads_ids,
+    return LayerLoop(line.strip(), carried, tuple(slots), unsupported, shared, sharing, reads_ids,
                      frozenset(read_before - read_after - read_inside),
                      frozenset(read_after - read_before - read_inside))
 

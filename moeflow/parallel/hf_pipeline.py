@@ -138,45 +138,60 @@ class Dropped(nn.Module):
 
 def kv_sources(model: nn.Module) -> dict[int, int] | None:
     """{layer: the layer whose keys and values it reads} where the config says so, through the dict transformers'
-    key-value sharing passes every layer: Kolibri-1.1's `kv_source_layers`, one per layer; Gemma 3n's and 4's last
-    `num_kv_shared_layers` layers, each reading the last earlier layer of its attention type (`kv_sharing_modes`:
-    'store', 'reuse'; Gemma 4's MoE release shares none, and a layer that only stores keeps a copy for an
-    assistant model, which training does not read). None where the config does not say."""
+    key-value sharing passes every layer: `kv_source_layers`, one per layer (Kolibri-1.1's; Mistral Large 4's, whose
+    dict is keyed by the kind of rotary embedding, so a reader gets the last of its kind written before it: the
+    layer named here wherever no other writer of that kind sits between them, which a split keeping the two on
+    one stage does not change); Gemma 3n's and 4's last `num_kv_shared_layers` layers, each reading the last
+    earlier layer of its attention type (`kv_sharing_modes`: 'store', 'reuse'; Gemma 4's MoE release shares none,
+    and a layer that only stores keeps a copy for an assistant model, which training does not read). None where
+    the config does not say, or says what this cannot follow (a reader with no earlier writer of its type)."""
     config = model.config.get_text_config()
     sources = getattr(config, "kv_source_layers", None)
     if isinstance(sources, list | tuple):
         return {j: i for j, i in enumerate(sources) if i != j}
-    modes = getattr(config, "kv_sharing_modes", None)
-    if isinstance(modes, list | tuple):
-        types = config.layer_types
-        store = {types[i]: i for i, mode in enumerate(modes) if mode == "store"}
-        return {j: store[types[j]] for j, mode in enumerate(modes) if mode == "reuse"}
-    return None
+    modes, types = getattr(config, "kv_sharing_modes", None), getattr(config, "layer_types", None)
+    if not (isinstance(modes, list | tuple) and isinstance(types, list | tuple) and len(types) == len(modes)):
+        return None
+    out = {}
+    for j, mode in enumerate(modes):
+        if mode == "reuse":
+            writers = [i for i in range(j) if modes[i] == "store" and types[i] == types[j]]
+            if not writers:
+                return None
+            out[j] = writers[-1]
+    return out
 
 
-def _split_sharing(model: nn.Module, loop: LayerLoop, pp_size: int, schedule: str, boundaries) -> str | None:
-    """Why the layers' shared dict stops this split (None when every layer that reads another's keys and values
-    sits on that layer's stage, so nothing of it crosses a boundary)."""
+def _split_sharing(model: nn.Module, loop: LayerLoop, pp_size: int | None, schedule: str, boundaries) -> str:
+    """Why the dict the layers share stops this split ('' when every layer that reads another's keys and values
+    sits on that layer's stage, so nothing of it crosses a boundary). pp_size None: any such reader stops it."""
     sources = kv_sources(model)
     if sources is None:
-        return loop.unsupported
-    stage_of = {i: spec.index for spec in pipeline_layout(len(model.model.layers), pp_size, schedule, boundaries)
-                for i in spec.layers}
+        return loop.sharing
+    if not sources:
+        return ""
+    j, i = min(sources.items())
+    if pp_size is None:
+        return f"layer {j} reads the keys and values layer {i} writes into `{loop.shared}`"
+    stage_of = {k: spec.index for spec in pipeline_layout(len(model.model.layers), pp_size, schedule, boundaries)
+                for k in spec.layers}
     apart = [(j, i) for j, i in sorted(sources.items()) if stage_of[j] != stage_of[i]]
     if not apart:
-        return None
+        return ""
     j, i = apart[0]
-    return (f"layer {j} reads the keys and values layer {i} writes into `{loop.shared}`, and the split puts "
-            f"them on stages {stage_of[i]} and {stage_of[j]}")
+    return (f"layer {j} reads the keys and values layer {i} writes into `{loop.shared}`, and the split puts layer "
+            f"{i} on stage {stage_of[i]} and layer {j} on stage {stage_of[j]}")
 
 
-def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tuple | None = (), pp_size: int = 2,
-                        boundaries=None) -> str | None:
-    """Why this transformers model cannot be split into `pp_size` pipeline stages (None when it can).
-    `microbatch_shape`: the (rows, seq, ...) the stages will be built for; () where it is not known yet (the run's
-    check before any rank starts: a model whose layers hand each other more than the hidden states then gets the
-    forward on fake tensors the stage split runs, on a PROBE_SHAPE micro-batch); None where it is not known
-    (tensor parallelism). `boundaries`: ParallelOptions.pp_boundaries (None: an even split)."""
+def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tuple | None = (),
+                        pp_size: int | None = None, boundaries=None) -> str | None:
+    """Why this transformers model cannot be split into `pp_size` pipeline stages (None when it can; pp_size None:
+    into any, so a layer reading another's keys and values is refused wherever it sits). `microbatch_shape`: the
+    (rows, seq, ...) the stages will be built for; () where it is not known yet (the run's check before launch, or
+    parallelize without ParallelOptions.pp_microbatch_shape: a model whose layers hand each other more than the
+    hidden states then gets the forward on fake tensors the stage split runs, on a PROBE_SHAPE micro-batch); None
+    where it is not known (tensor parallelism). `boundaries`: ParallelOptions.pp_boundaries (None: an even split);
+    a split pipeline_layout cannot make raises its ValueError."""
     name = type(model).__name__
     if SCHEDULES[resolve_schedule(pp_schedule)].placement != "single":
         return (f"{name}: transformers' modules run one pipeline stage per rank; parallel.pp_schedule = "
@@ -190,7 +205,7 @@ def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tu
         return (f"{name}: tied embeddings would sit on two pipeline stages (the embedding on the first, the output "
                 f"head on the last); use pp = 1")
     loop = _loop(model)
-    why = _split_sharing(model, loop, pp_size, pp_schedule, boundaries) if loop.shared else loop.unsupported
+    why = loop.unsupported or (_split_sharing(model, loop, pp_size, pp_schedule, boundaries) if loop.shared else "")
     if why:
         return (f"{name}: {why}; a pipeline stage boundary carries only what a layer returns for the next one; use "
                 f"pp = 1")
@@ -303,7 +318,9 @@ def _layer_outputs(model: nn.Module, microbatch_shape: tuple | None) -> list[tup
             ids = torch.zeros(rows, seq, dtype=torch.long, device=device)
             torch.func.functional_call(model, state, (), {"input_ids": ids, "use_cache": False}, strict=False)
     except Exception as e:  # (noqa: the architectures' own code raises anything) # noqa: BLE001
-        detail = str(e).splitlines()[0].split(" (")[0]  # (torch's guard errors go on with hints)
+        detail = (str(e).splitlines() or [""])[0]
+        if "data-dependent" in detail:  # (torch's guard errors go on with hints about its tracing)
+            detail = detail.split(" (")[0]
         raise ValueError(f"{type(model).__name__}: the shapes its layers hand each other could not be read from a "
                          f"forward on fake tensors, whose values are unknown ({type(e).__name__}: {detail}); use "
                          f"pp = 1") from e

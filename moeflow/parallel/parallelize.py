@@ -45,7 +45,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
         raise ValueError(f"ParallelDims is for {dims.world_size} ranks but the process group has {world}")
     adapter = adapter_for(model)
     options = options or ParallelOptions()
-    adapter.check(dims, options.pp_boundaries)
+    adapter.check(dims, options.pp_boundaries, options.pp_microbatch_shape)
     build = _Build(model, adapter, dims, options, ParallelState(model, dims))
     for step in STEPS:
         step(build)

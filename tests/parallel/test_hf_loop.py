@@ -72,8 +72,9 @@ def test_what_a_layer_returns_for_the_next_goes_back_by_position_or_keyword():
 
 
 def test_state_shared_other_than_through_the_outputs_is_named():
-    assert layer_loop(SharingKV).unsupported == (
-        "its layers share `shared` (Shared), which they write into and read back")
-    assert layer_loop(SharingKV).shared == "shared" and layer_loop(Accumulating).shared == ""
+    sharing = layer_loop(SharingKV)  # whether a split must carry it is the config's say (hf_pipeline.kv_sources)
+    assert sharing.unsupported == "" and sharing.shared == "shared"
+    assert sharing.sharing == "its layers share `shared` (Shared), which they write into and read back"
+    assert layer_loop(Accumulating).shared == ""
     assert layer_loop(Accumulating).unsupported == (
         "its loop builds `blocks` from the layers' outputs and hands it to the later layers")

@@ -17,10 +17,9 @@ def _sharing_gemma4():
 
     from tests.support.hf_tiny import randomize, tiny_config
 
-    config = tiny_config("gemma4")
     # six layers, sliding and full in turn; 4 and 5 read the keys and values of 2 and 3 (the last of each type)
-    config.num_hidden_layers, config.layer_types = 6, ["sliding_attention", "full_attention"] * 3
-    config.num_kv_shared_layers = 2
+    config = tiny_config("gemma4", num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
+                         num_kv_shared_layers=2)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     randomize(model, 0)
     return model

@@ -143,8 +143,9 @@ def _layers(defaults: dict) -> tuple[int, list[int]]:
     return n, sorted(keep)
 
 
-def tiny_config(d: str) -> PretrainedConfig:
-    """The tiny fp32 PretrainedConfig of architecture `d` (a key of moe_architectures())."""
+def tiny_config(d: str, **changes) -> PretrainedConfig:
+    """The tiny fp32 PretrainedConfig of architecture `d` (a key of moe_architectures()), with `changes` to its
+    fields made before the config derives anything from them."""
     cls = causal_lm_class(d).config_class
     defaults = cls().to_dict()
     kw = {k: v for k, v in TINY.items() if k in defaults}
@@ -203,6 +204,7 @@ def tiny_config(d: str) -> PretrainedConfig:
     if "mlp_only_layers" in defaults:
         kw["mlp_only_layers"] = [0]
     kw.update(OVERRIDES.get(d, {}))
+    kw.update(changes)
     return cls(**kw)
 
 

@@ -229,26 +229,32 @@ def test_pipeline_splits_it_cannot_make_are_named(folder):
     # layers hand on, has shapes only its values decide: refused before any rank starts
     kolibri = tiny_model("kolibri1_1", seed=0)
     assert kv_sources(kolibri) == {3: 2}
-    assert hf_pipeline_refusal(kolibri, "GPipe").startswith(
+    assert hf_pipeline_refusal(kolibri, "GPipe", (), 2).startswith(
         "Kolibri1_1ForCausalLM: the shapes its layers hand each other could not be read from a forward on fake "
         "tensors, whose values are unknown (GuardOnDataDependentSymNode")
     # Gemma 4 passes its layers a key-value sharing dict; only a config whose last layers reuse another's keys and
     # values needs it carried (its MoE release shares none), and per-layer embeddings have no stage
     def gemma4(**changes):
-        config = tiny_config("gemma4")
-        for key, value in changes.items():
-            setattr(config, key, value)
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return transformers.AutoModelForCausalLM.from_config(tiny_config("gemma4", **changes))
 
     assert tiny_config("gemma4").num_kv_shared_layers == 0 and hf_pipeline_refusal(gemma4(), "GPipe") is None
-    sharing = gemma4(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
-                     num_kv_shared_layers=2)  # layers 4 and 5 read layer 2's and layer 3's keys and values
+    six = dict(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3)
+    sharing = gemma4(**six, num_kv_shared_layers=2)  # layers 4 and 5 read layer 2's and layer 3's keys and values
     assert sharing.model.layers[5].self_attn.is_kv_shared_layer and kv_sources(sharing) == {4: 2, 5: 3}
-    assert hf_pipeline_refusal(sharing, "GPipe") == (  # an even split: layers 0-2 and 3-5
+    tail = "; a pipeline stage boundary carries only what a layer returns for the next one; use pp = 1"
+    assert hf_pipeline_refusal(sharing, "GPipe", (), 2) == (  # an even split: layers 0-2 and 3-5
         "Gemma4ForCausalLM: layer 4 reads the keys and values layer 2 writes into `shared_kv_states`, and the split "
-        "puts them on stages 0 and 1; a pipeline stage boundary carries only what a layer returns for the next one; "
-        "use pp = 1")
+        "puts layer 2 on stage 0 and layer 4 on stage 1" + tail)
     assert hf_pipeline_refusal(sharing, "GPipe", (), 2, (0, 2)) is None  # layers 0-1 and 2-5: readers with sources
+    assert hf_pipeline_refusal(sharing, "GPipe", (), 2, [[0, 1], [2, 3, 4, 5]]) is None  # the same, as lists
+    assert "puts layer 2 on stage 1 and layer 4 on stage 2" in hf_pipeline_refusal(sharing, "GPipe", (), 3)
+    assert hf_pipeline_refusal(sharing, "GPipe") == (  # no split named: any reader of another layer is refused
+        "Gemma4ForCausalLM: layer 4 reads the keys and values layer 2 writes into `shared_kv_states`" + tail)
+    every = gemma4(**six, num_kv_shared_layers=6)  # every layer reuses, none writes: nothing to follow
+    assert kv_sources(every) is None
+    assert hf_pipeline_refusal(every, "GPipe", (), 2) == (
+        "Gemma4ForCausalLM: its layers share `shared_kv_states` (KVSharingDict), which they write into and read "
+        "back" + tail)
     assert "model.embed_tokens_per_layer.weight is one" in hf_pipeline_refusal(
         gemma4(hidden_size_per_layer_input=16), "GPipe")
     assert "its loop builds `block_states` from the layers' outputs" in hf_pipeline_refusal(
