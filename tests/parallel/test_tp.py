@@ -132,3 +132,8 @@ def test_a_layer_that_computes_its_moe_itself_runs_on_its_sequence_slice():
                                          r"rank's tokens only with the MoE folded over tp; set "
                                          r"parallel.ep_over_tp = true$"):
         tp_plan(model, fold_experts=False)
+    del model.model.layers[1].experts  # one layer computes an MoE, the other not: no built-in plan
+    with pytest.raises(ValueError, match=r"^Gemma4ForCausalLM: its layers compute their MoE in their own forward "
+                                         r"\(no MoE block to hand the sequence slice\), and only some of them do; "
+                                         r"pass a plan"):
+        tp_plan(model, fold_experts=True)
