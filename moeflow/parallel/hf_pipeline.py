@@ -223,7 +223,7 @@ def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tu
                 f"shapes the stages take from the micro-batch shape (ParallelOptions.pp_microbatch_shape), which "
                 f"tensor parallelism leaves unset (torch infers the shapes of its DTensor logits); use pp or tp, "
                 f"not both")
-    if loop.carried and microbatch_shape == ():  # before any rank starts: whether the stage split will read them
+    if loop.carried and microbatch_shape == ():  # the shape not known yet: whether the stage split can read them
         try:
             _layer_outputs(model, PROBE_SHAPE)
         except ValueError as e:
