@@ -97,8 +97,7 @@ def _worker(rank: int, case: str, folder: str, repeats: int, tmp: str) -> None:
     from transformers.distributed import DistributedConfig
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store_{case.replace(' ', '_')}", rank=rank,
-                            world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)  # (tmp: this case's)
     import moeflow
     from moeflow.models import hf_transformers
     from moeflow.models.hf import from_pretrained

@@ -168,19 +168,19 @@ def _split_sharing(model: nn.Module, loop: LayerLoop, pp_size: int | None, sched
     sources = kv_sources(model)
     if sources is None:
         return loop.sharing
-    if not sources:
-        return ""
-    j, i = min(sources.items())
     if pp_size is None:
-        return f"layer {j} reads the keys and values layer {i} writes into `{loop.shared}`"
-    stage_of = {k: spec.index for spec in pipeline_layout(len(model.model.layers), pp_size, schedule, boundaries)
-                for k in spec.layers}
-    apart = [(j, i) for j, i in sorted(sources.items()) if stage_of[j] != stage_of[i]]
+        apart = sorted(sources.items())
+    else:
+        stage_of = {k: spec.index for spec in pipeline_layout(len(model.model.layers), pp_size, schedule, boundaries)
+                    for k in spec.layers}
+        apart = [(j, i) for j, i in sorted(sources.items()) if stage_of[j] != stage_of[i]]
     if not apart:
         return ""
     j, i = apart[0]
-    return (f"layer {j} reads the keys and values layer {i} writes into `{loop.shared}`, and the split puts layer "
-            f"{i} on stage {stage_of[i]} and layer {j} on stage {stage_of[j]}")
+    why = f"layer {j} reads the keys and values layer {i} writes into `{loop.shared}`"
+    if pp_size is None:
+        return why
+    return f"{why}, and the split puts layer {i} on stage {stage_of[i]} and layer {j} on stage {stage_of[j]}"
 
 
 def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tuple | None = (),

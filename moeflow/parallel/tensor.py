@@ -458,23 +458,25 @@ def _layers_on_local_tokens(model: nn.Module, plan: dict, layers: dict[str, nn.M
     if whole or not all(experts_in_layer(layer) for layer in layers.values()):
         why = "some of its layers' token mixers run whole on every tp rank" if whole else "only some of them do"
         raise ValueError(f"{itself}, and {why}; {HOW_TO_PASS_A_PLAN}")
+    experts = {key: set(experts_in_layer(layer)) for key, layer in layers.items()}
+    every_experts = set().union(*experts.values())
+    depth = names.layers.count(".") + 2  # tokens of "<layers>.<key>." before a part's own name
     out: dict[str, ParallelStyle] = {f"{names.layers}.*": LocalTokens()}
     for pattern, style in plan.items():
-        inside = pattern.startswith(f"{names.layers}.") and pattern.count(".") > names.layers.count(".") + 1
-        if not inside:
+        part = ".".join(pattern.split(".")[depth:]) if pattern.startswith(f"{names.layers}.") else ""
+        if not part:
             out[pattern] = style
         elif isinstance(style, SequenceParallel) and not isinstance(style, HeadShardedNorm):  # a layer's norm
             out[pattern] = PerTokenPart()
         elif isinstance(style, RowwiseParallel) and style.output_layouts == (Shard(1),):  # o_proj, down_proj
             style.use_local_output = True
             out[pattern] = style
-        elif not (isinstance(style, PerTokenPart) and pattern.rpartition(".")[2] in
-                  {n for layer in layers.values() for n in experts_in_layer(layer)}):
+        elif not (isinstance(style, PerTokenPart) and part in every_experts):
             out[pattern] = style  # (the experts, per-token before, take no style: expert parallelism spreads them)
     for key, layer in layers.items():  # the rest with parameters runs on the rank's tokens: the router
         for part, child in named_parts(layer):
             fqn = f"{names.layers}.{key}.{part}"
-            if (any(True for _ in child.parameters()) and part not in experts_in_layer(layer)
+            if (any(True for _ in child.parameters()) and part not in experts[key]
                     and not any(_pattern_matches(p, fqn) for p in out)):
                 out[fqn] = PerTokenPart()
         if any(True for _ in layer.parameters(recurse=False)):

@@ -19,6 +19,20 @@ from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 
+def _on_input(style: ParallelStyle, module: nn.Module, args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
+    """(args, kwargs) with `fn` applied to the module's input: the first positional argument, or `hidden_states=`."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    raise ValueError(f"{type(style).__name__}: {type(module).__name__} got no positional input nor hidden_states=")
+
+
+def _on_output(output, fn):
+    """`output` with `fn` applied to it, or to its first element where it is a tuple."""
+    return (fn(output[0]), *output[1:]) if isinstance(output, tuple) else fn(output)
+
+
 class ReplicatedModule(ParallelStyle):
     """Run the whole module on every tp rank, on the all-gathered sequence, with its own plain parameters.
 
@@ -49,14 +63,10 @@ class ReplicatedModule(ParallelStyle):
                 placements=sequence_sharded)
 
         def gather_input(mod, args, kwargs):
-            if args:
-                return (gather(args[0]), *args[1:]), kwargs
-            if "hidden_states" in kwargs:
-                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
-            raise ValueError(f"ReplicatedModule: {type(mod).__name__} got no positional input nor hidden_states=")
+            return _on_input(self, mod, args, kwargs, gather)
 
         def scatter_output(mod, args, kwargs, output):
-            return (scatter(output[0]), *output[1:]) if isinstance(output, tuple) else scatter(output)
+            return _on_output(output, scatter)
 
         module.register_forward_pre_hook(gather_input, with_kwargs=True)
         module.register_forward_hook(scatter_output, with_kwargs=True)
@@ -120,11 +130,7 @@ class LocalTokens(ParallelStyle):
             if kwargs.get("input_ids") is not None:  # an MoE routed by the token ids (DeepSeek-V4's hash routing)
                 x = args[0] if args else kwargs.get("hidden_states")
                 kwargs = {**kwargs, "input_ids": local_ids(mod, kwargs["input_ids"], x)}
-            if args:
-                return (local(args[0]), *args[1:]), kwargs
-            if "hidden_states" in kwargs:
-                return args, {**kwargs, "hidden_states": local(kwargs["hidden_states"])}
-            raise ValueError(f"LocalTokens: {type(mod).__name__} got no positional input nor hidden_states=")
+            return _on_input(self, mod, args, kwargs, local)
 
         def local_ids(mod, ids, x):
             # the whole sequence's [B, S] ids, cut as Shard(dim) cuts the hidden states (torch.chunk's sizes; the
@@ -137,7 +143,7 @@ class LocalTokens(ParallelStyle):
             return ids.chunk(device_mesh.size(), dim=dim)[device_mesh.get_local_rank()]
 
         def sharded_output(mod, args, kwargs, output):
-            return (to_dtensor(output[0]), *output[1:]) if isinstance(output, tuple) else to_dtensor(output)
+            return _on_output(output, to_dtensor)
 
         module.register_forward_pre_hook(local_input, with_kwargs=True)
         module.register_forward_hook(sharded_output, with_kwargs=True)
