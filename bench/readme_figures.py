@@ -177,7 +177,8 @@ VLLM_CASES = {"tiny-moe": "tiny-moe (`make train`'s model)", "qwen3_moe-native":
               "mixtral-native": "Mixtral, moeflow's modules",
               "qwen3_moe-transformers": "Qwen3-MoE, transformers' modules",
               "glm4_moe-transformers": "GLM-4.5-shaped (partial RoPE, biases), transformers' modules",
-              "gpt_oss-transformers": "gpt-oss, transformers' modules"}
+              "gpt_oss-transformers": "gpt-oss, transformers' modules",
+              "gpt_oss-transformers-lora": "gpt-oss, LoRA r=8 (merged export), transformers' modules"}
 
 
 def vllm_serve() -> str:
@@ -185,14 +186,16 @@ def vllm_serve() -> str:
     meta = r["meta"]
     lines = [_wrap(f"`bench/vllm_serve.py` (`bench/results/vllm_serve.json`; {meta['versions']} in its own venv; "
                    f"{meta['steps']} training steps under ep=2, exported in {meta['dtype']}; {meta['new_tokens']} "
-                   f"greedy tokens after each of {len(meta['prompts'])} prompts):"), "",
+                   f"greedy tokens after each of {len(meta['prompts'])} prompts, and vLLM's next-token "
+                   f"log-probabilities at every prompt position against transformers'):"), "",
              "| run | exported as | moeflow = transformers | vLLM = transformers |", "|---|---|---|---|"]
 
     def agree(row, key):
         if row.get(key) is None:
             return f"not served: {row.get('vllm_error')}"
         same = sum(x == y for p, q in zip(row["transformers"], row[key]) for x, y in zip(p, q))
-        return f"{same}/{sum(len(p) for p in row['transformers'])} tokens"
+        return (f"{same}/{sum(len(p) for p in row['transformers'])} tokens, log-probs within "
+                f"{row[key + '_logprob_gap']:.1e}")
 
     for case, row in r["cases"].items():
         lines.append(f"| {VLLM_CASES.get(case, case)} | `{row['architecture']}` | {agree(row, 'moeflow')} | "

@@ -14,11 +14,14 @@ Each case is a moeflow run: 2 ranks with expert parallelism, 20 steps on bytes o
 then `moeflow convert moeflow-to-hf --dtype fp32`. From the same trained weights three programs generate 16 greedy
 tokens after each of two prompts: moeflow (`moeflow.generate` on the run directory), transformers
 (`generate(do_sample=False)` on the exported folder) and vLLM (`LLM.generate`, temperature 0, on the exported
-folder). The cases: the default job's model (tiny-moe, exported as Glm4MoeForCausalLM), Qwen3-MoE and Mixtral
+folder). A model this briefly trained often repeats one byte, so the tokens alone say little: vLLM's whole
+next-token distribution at every prompt position (`prompt_logprobs=-1`) is compared with transformers' log-softmax
+too, and vLLM counts as serving the export when its tokens are transformers' and no log-probability differs by
+more than 1e-3. The cases: the default job's model (tiny-moe, exported as Glm4MoeForCausalLM), Qwen3-MoE and Mixtral
 on moeflow's own modules, Qwen3-MoE fine-tuned with LoRA (peft.method = 'lora', rank 8; the export folds the
 adapter into the weights), and Qwen3-MoE, a GLM-4.5-shaped model (partial RoPE, attention biases) and gpt-oss on
-transformers' own modules (model.hf_impl = 'transformers'). Head width 32: vLLM's CPU attention has no kernel for
-narrower heads.
+transformers' own modules (model.hf_impl = 'transformers'), gpt-oss also fine-tuned with LoRA. Head width 32:
+vLLM's CPU attention has no kernel for narrower heads.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ MOEFLOW = REPO / ".venv" / "bin" / "moeflow"
 TORCH_PIN = "torch==2.13.0"
 PROMPTS = ["def main(argv):\n    ", "import os\nimport sys\n\n"]
 NEW_TOKENS = 16
-TRAIN = ["--training.steps", "20", "--training.global_batch", "8", "--data.seq_len", "64", "--eval.every", "0",
+# vLLM's fp32 CPU kernels sum in another order than transformers': their log-probabilities differ by ~1e-6
+LOGPROB_TOLERANCE = 1e-3
+TRAIN = ["--training.global_batch", "8", "--data.seq_len", "64", "--eval.every", "0",
          "--metrics.tensorboard", "false", "--checkpoint.every", "0", "--training.lr", "3e-3"]
 
 
@@ -60,7 +65,9 @@ def _tiny_hf(kind: str):
                                attention_bias=True, num_mtp_layers=0,
                                rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
     if kind == "gpt_oss":
-        return t.GptOssConfig(**common, num_hidden_layers=2, intermediate_size=48, num_local_experts=4,
+        # expert width 64: vLLM's CPU MoE kernel pads widths to a multiple of 32 except under gpt-oss's clamped
+        # SwiGLU ("swigluoai"), where it refuses any other ("No Unquantized MoE backend supports ...")
+        return t.GptOssConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                               num_experts_per_tok=2, sliding_window=16, layer_types=["sliding_attention",
                                                                                      "full_attention"])
     raise ValueError(kind)
@@ -76,6 +83,7 @@ CASES = {
     "qwen3_moe-transformers": ("qwen3_moe", "transformers", []),
     "glm4_moe-transformers": ("glm4_moe", "transformers", []),
     "gpt_oss-transformers": ("gpt_oss", "transformers", []),
+    "gpt_oss-transformers-lora": ("gpt_oss", "transformers", LORA),  # adapters on its transposed, interleaved experts
 }
 
 
@@ -87,7 +95,7 @@ def _run(cmd: list[str], **kw) -> str:
     return done.stdout
 
 
-def train_and_export(case: str, work: Path, corpus: Path) -> tuple[Path, Path]:
+def train_and_export(case: str, work: Path, corpus: Path, steps: int) -> tuple[Path, Path]:
     """(run directory, exported folder) of one case."""
     import torch
     import transformers
@@ -95,7 +103,7 @@ def train_and_export(case: str, work: Path, corpus: Path) -> tuple[Path, Path]:
     kind, impl, more = CASES[case]
     run, exported = work / case / "run", work / case / "hf"
     args = [str(MOEFLOW), "train", "--nproc-per-node", "2", "--parallel.ep", "2", "--run_dir", str(run),
-            "--data.source", str(corpus), *TRAIN, *more]
+            "--data.source", str(corpus), "--training.steps", str(steps), *TRAIN, *more]
     if kind is None:
         args += ["--config", str(REPO / "configs" / "default.toml")]
     else:
@@ -108,41 +116,61 @@ def train_and_export(case: str, work: Path, corpus: Path) -> tuple[Path, Path]:
     return run, exported
 
 
-def moeflow_tokens(run: Path) -> list[list[int]]:
+def moeflow_tokens(run: Path) -> tuple[list[list[int]], list]:
+    """(greedy tokens after each prompt, next-token log-probabilities at each prompt position) of the run."""
+    import torch
+
     sys.path.insert(0, str(REPO))
     from moeflow.generate import generate, load_model
 
     model, *_ = load_model(str(run))
-    return [generate(model, list(p.encode()), NEW_TOKENS, temperature=0.0) for p in PROMPTS]
+    tokens = [generate(model, list(p.encode()), NEW_TOKENS, temperature=0.0) for p in PROMPTS]
+    with torch.no_grad():
+        logprobs = [model(torch.tensor([list(p.encode())]))[0, :-1].log_softmax(-1).tolist() for p in PROMPTS]
+    return tokens, logprobs
 
 
-def transformers_tokens(folder: Path) -> tuple[str, list[list[int]]]:
+def transformers_tokens(folder: Path) -> tuple[str, list[list[int]], list]:
+    """(architecture, greedy tokens after each prompt, next-token log-probabilities at each prompt position)."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    out = []
+    tokens, logprobs = [], []
     for p in PROMPTS:
         ids = torch.tensor([list(p.encode())])
         new = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                              pad_token_id=0)
-        out.append(new[0, ids.shape[1]:].tolist())
-    return type(model).__name__, out
+        tokens.append(new[0, ids.shape[1]:].tolist())
+        with torch.no_grad():  # position i's distribution predicts prompt token i + 1 (vLLM's prompt_logprobs[i + 1])
+            logprobs.append(model(ids).logits[0, :-1].log_softmax(-1).tolist())
+    return type(model).__name__, tokens, logprobs
+
+
+def _logprob_gap(a: list, b: list | None) -> float | None:
+    """The largest |difference| between two sets of next-token log-probabilities (None: one is missing)."""
+    if b is None:
+        return None
+    return max(abs(x - y) for p, q in zip(a, b) for u, v in zip(p, q) for x, y in zip(u, v))
 
 
 VLLM_WORKER = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
 jobs = json.loads(sys.argv[1])
-params = SamplingParams(temperature=0.0, max_tokens=jobs["new_tokens"], ignore_eos=True, detokenize=False)
+# prompt_logprobs=-1: the whole next-token distribution at every prompt position (vocabulary 256)
+params = SamplingParams(temperature=0.0, max_tokens=jobs["new_tokens"], ignore_eos=True, detokenize=False,
+                        prompt_logprobs=-1)
 out = {}
 for name, folder in jobs["folders"].items():
     t0 = time.perf_counter()
     try:
         llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
-                  max_num_seqs=4, seed=0, distributed_executor_backend="uni")
+                  max_num_seqs=4, max_logprobs=-1, seed=0, distributed_executor_backend="uni")
         got = llm.generate([{"prompt_token_ids": ids} for ids in jobs["prompts"]], params)
-        out[name] = {"tokens": [list(o.outputs[0].token_ids) for o in got], "s": time.perf_counter() - t0}
+        logprobs = [[[pos[t].logprob for t in range(len(pos))] for pos in o.prompt_logprobs[1:]] for o in got]
+        out[name] = {"tokens": [list(o.outputs[0].token_ids) for o in got], "logprobs": logprobs,
+                     "s": time.perf_counter() - t0}
         del llm
     except Exception as e:  # a model vLLM cannot serve is a result, not the end of the benchmark
         out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", "s": time.perf_counter() - t0}
@@ -177,6 +205,10 @@ def vllm_tokens(venv: Path, folders: dict[str, Path]) -> dict:
     return json.loads(line[-1][len("RESULT "):])
 
 
+def _gap_text(gap: float | None) -> str:
+    return "-" if gap is None else f"{gap:.1e}"
+
+
 def _agree(a: list[list[int]], b: list[list[int]] | None) -> str:
     if b is None:
         return "-"
@@ -189,33 +221,40 @@ def main(argv=None) -> int:
     ap.add_argument("--venv", default=str(REPO / "bench" / ".venv-vllm"))
     ap.add_argument("--out", default=str(REPO / "bench" / "out"))
     ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--steps", type=int, default=20, help="training steps of each case")
     args = ap.parse_args(argv)
     versions = ensure_venv(Path(args.venv))
     work = Path(tempfile.mkdtemp(prefix="vllm_serve_"))
     corpus = work / "corpus.txt"
     corpus.write_text("".join(Path(m.__file__).read_text() for m in (argparse, json, tempfile, subprocess)))
-    rows = {}
+    rows, hf_logprobs = {}, {}
     for case in args.cases:
         t0 = time.perf_counter()
-        run, exported = train_and_export(case, work, corpus)
-        architecture, hf = transformers_tokens(exported)
-        rows[case] = {"architecture": architecture, "transformers": hf, "moeflow": moeflow_tokens(run),
+        run, exported = train_and_export(case, work, corpus, args.steps)
+        architecture, hf, hf_logprobs[case] = transformers_tokens(exported)
+        tokens, logprobs = moeflow_tokens(run)
+        rows[case] = {"architecture": architecture, "transformers": hf, "moeflow": tokens,
+                      "moeflow_logprob_gap": _logprob_gap(hf_logprobs[case], logprobs),
                       "train_export_s": round(time.perf_counter() - t0, 1)}
         print(f"{case}: trained, exported as {architecture}", flush=True)
     served = vllm_tokens(Path(args.venv), {c: work / c / "hf" for c in rows})
     print(f"\n{versions}\n")
-    print(f"{'case':<24} {'architecture':<22} {'moeflow=transformers':>21} {'vLLM=transformers':>18} {'vLLM s':>7}")
+    print(f"{'case':<24} {'architecture':<20} {'moeflow tokens':>14} {'max |d logprob|':>15} {'vLLM tokens':>12} "
+          f"{'max |d logprob|':>15} {'vLLM s':>7}")
     for case, row in rows.items():
         v = served[case]
         row["vllm"], row["vllm_error"], row["vllm_s"] = v.get("tokens"), v.get("error"), round(v["s"], 1)
-        row["moeflow_equal"], row["vllm_equal"] = row["moeflow"] == row["transformers"], row["vllm"] == row[
-            "transformers"]
-        print(f"{case:<24} {row['architecture']:<22} {_agree(row['transformers'], row['moeflow']):>21} "
-              f"{_agree(row['transformers'], row['vllm']):>18} {row['vllm_s']:>7}"
+        row["vllm_logprob_gap"] = _logprob_gap(hf_logprobs[case], v.get("logprobs"))
+        for who in ("moeflow", "vllm"):  # both equal transformers': the same tokens, the same distributions
+            gap = row[f"{who}_logprob_gap"]
+            row[f"{who}_equal"] = row[who] == row["transformers"] and gap is not None and gap <= LOGPROB_TOLERANCE
+        print(f"{case:<24} {row['architecture']:<20} {_agree(row['transformers'], row['moeflow']):>14} "
+              f"{_gap_text(row['moeflow_logprob_gap']):>15} {_agree(row['transformers'], row['vllm']):>12} "
+              f"{_gap_text(row['vllm_logprob_gap']):>15} {row['vllm_s']:>7}"
               + (f"  ({row['vllm_error']})" if row["vllm_error"] else ""))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"meta": {"versions": versions, "new_tokens": NEW_TOKENS, "prompts": PROMPTS, "steps": 20,
+    result = {"meta": {"versions": versions, "new_tokens": NEW_TOKENS, "prompts": PROMPTS, "steps": args.steps,
                        "dtype": "fp32"}, "cases": rows}
     (out / "vllm_serve.json").write_text(json.dumps(result, indent=1))
     _plot(rows, out / "vllm_serve.png")
