@@ -31,6 +31,7 @@ from moeflow.core.errors import check_choice, closest
 from moeflow.core.model_config import ModelConfig, MoEConfig, grouped_mm_alignment_error
 from moeflow.core.parallel_dims import BatchSplit, ParallelDims
 from moeflow.core.presets import get_preset
+from moeflow.core.schedules import pipeline_layout
 
 
 @dataclass
@@ -182,6 +183,11 @@ class ParallelConfig:
     """Pipeline schedule (torch.distributed.pipelining's, and DualPipeV)."""
     pp_microbatches: int = 0
     """Pipeline micro-batches per step; 0 = per-rank batch / training.micro_batch (one sequence each if unset)."""
+    pp_boundaries: str = ""
+    """The first layer of each pipeline stage, comma-separated from 0 (e.g. '0,2' puts layers 0-1 on the first of
+    2 stages and the rest on the second; an interleaved schedule has pp x its stages per rank); empty = an even
+    split. For a model whose layers read another layer's keys and values (Gemma 4's KV sharing), a split that
+    keeps each reader on its source's stage."""
     ep_over_tp: bool = True
     """With tp > 1, spread the experts over the tp ranks too (EP group ep x tp; each tp rank routes its sequence
     slice: no redundant MoE compute); false computes every MoE layer whole on every tp rank."""
@@ -437,6 +443,17 @@ class JobConfig:
                              f"earlier step or train longer")
         self.profiled_ranks()
 
+    def pipeline_boundaries(self) -> tuple[int, ...] | None:
+        """parallel.pp_boundaries as ints (None: an even split)."""
+        text = self.parallel.pp_boundaries.strip()
+        if not text:
+            return None
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"parallel.pp_boundaries = {text!r}; use the first layer of each stage, comma-separated "
+                             f"from 0 (e.g. '0,3'), or leave it empty for an even split") from None
+
     def profiled_ranks(self) -> list[int] | None:
         """profile.ranks as ints (None: every rank)."""
         text = self.profile.ranks.strip()
@@ -556,6 +573,12 @@ class JobConfig:
         dims = ParallelDims(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
                             zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp, cp=p.cp)
         dims.check_model(self.model)
+        boundaries = self.pipeline_boundaries()
+        if boundaries is not None:
+            if dims.pp == 1:
+                raise ValueError(f"parallel.pp_boundaries = {p.pp_boundaries!r} with parallel.pp = 1: there is one "
+                                 f"stage; set parallel.pp, or leave pp_boundaries empty")
+            pipeline_layout(self.model.n_layers, dims.pp, dims.pp_schedule, boundaries)  # raises its one line
         if self.model.runs_transformers and (dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
             self._check_transformers_layout(dims)
         dims.check_sequence(self.data.seq_len)
@@ -587,7 +610,7 @@ class JobConfig:
         sizes = (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp))
         setting = " x ".join(f"parallel.{k} = {v}" for k, v in sizes if v > 1)
         try:
-            adapter_for(model).check(dims)
+            adapter_for(model).check(dims, self.pipeline_boundaries())
             if dims.tp > 1:  # the built-in plan places every module (a run passes no plan of its own)
                 check_plan_covers(model, tp_plan(model, fold_experts=dims.fold_experts))
         except ValueError as e:

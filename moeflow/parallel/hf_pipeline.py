@@ -180,7 +180,8 @@ def _split_sharing(model: nn.Module, loop: LayerLoop, pp_size: int | None, sched
     why = f"layer {j} reads the keys and values layer {i} writes into `{loop.shared}`"
     if pp_size is None:
         return why
-    return f"{why}, and the split puts layer {i} on stage {stage_of[i]} and layer {j} on stage {stage_of[j]}"
+    return (f"{why}, and the split puts layer {i} on stage {stage_of[i]} and layer {j} on stage {stage_of[j]} "
+            f"(parallel.pp_boundaries chooses a split that keeps them on one stage)")
 
 
 def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tuple | None = (),

@@ -49,6 +49,7 @@ def parallel_options(cfg: JobConfig, batch: BatchSplit, dims: ParallelDims, devi
         ep_num_worst_tokens=p.ep_num_worst_tokens, activation_checkpointing=t.activation_checkpointing,
         compile=t.compile, fp8=t.fp8, autocast_dtype=dtype, microbatches=batch.microbatches, loss_fn=tp_loss,
         pp_microbatch_shape=(batch.micro_batch, cfg.data.seq_len // dims.cp, dtype or torch.float32),
+        pp_boundaries=cfg.pipeline_boundaries(),
         device_type="cpu" if device.type == "meta" else device.type, offload=p.offload)
 
 

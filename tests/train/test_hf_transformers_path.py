@@ -146,6 +146,38 @@ def _tiny_folder(arch: str, path):
     return path
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({}, r"the split puts layer 2 on stage 0 and layer 4 on stage 1 \(parallel.pp_boundaries chooses a split "),
+    ({"parallel.pp_boundaries": "0,2"}, None),  # layers 0-1 | 2-5: each reader on its source's stage
+    ({"parallel.pp_boundaries": "0,5"}, r"layer 5 reads the keys and values layer 3 writes"),  # 0-4 | 5
+    ({"parallel.pp_boundaries": "1,3"}, r"parallel.pp_boundaries = \[1, 3\] must be the first layer of each stage"),
+    ({"parallel.pp_boundaries": "0,6"}, r"parallel.pp_boundaries names layer 6, which is not a layer of the model"),
+    ({"parallel.pp_boundaries": "0,2,4"}, r"parallel.pp_boundaries has 3 entries but the pipeline has 2 stages"),
+    ({"parallel.pp_boundaries": "0;2"}, r"parallel.pp_boundaries = '0;2'; use the first layer of each stage"),
+    ({"parallel.pp_boundaries": "0,2", "parallel.pp": 1}, r"parallel.pp_boundaries = '0,2' with parallel.pp = 1"),
+])
+def test_the_pipeline_split_is_a_setting_checked_before_any_rank(tmp_path, changes, message):
+    # Gemma 4 with two KV-shared layers: layers 4 and 5 read layer 2's and layer 3's keys and values, so the even
+    # split is refused and parallel.pp_boundaries picks one that keeps them together
+    import transformers
+
+    from tests.support.hf_tiny import tiny_config
+
+    folder = tmp_path / "gemma4"
+    config = tiny_config("gemma4", num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
+                         num_kv_shared_layers=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    np.random.default_rng(0).integers(0, V, 2000).astype(np.uint16).tofile(folder / "tokens.bin")
+    cfg = load_config(None, _overrides(folder, tmp_path / "r", **{"parallel.pp": 2, **changes}))
+    assert_one_line(lambda: cfg.layout(2), message)
+    if message is None:  # and the run's parallelize gets the split
+        from moeflow.train.build import parallel_options
+
+        dims, batch = cfg.layout(2)
+        assert parallel_options(cfg, batch, dims, torch.device("cpu")).pp_boundaries == (0, 2)
+
+
 def test_tensor_parallelism_refuses_what_its_plan_cannot_place_in_one_line(tmp_path):
     """A layer whose attention would run whole among sharded ones that hand it their indexer's selection (Kolibri):
     refused before any rank, found from the architecture's modules on the meta device."""
@@ -244,7 +276,8 @@ def test_pipeline_splits_it_cannot_make_are_named(folder):
     tail = "; a pipeline stage boundary carries only what a layer returns for the next one; use pp = 1"
     assert hf_pipeline_refusal(sharing, "GPipe", (), 2) == (  # an even split: layers 0-2 and 3-5
         "Gemma4ForCausalLM: layer 4 reads the keys and values layer 2 writes into `shared_kv_states`, and the split "
-        "puts layer 2 on stage 0 and layer 4 on stage 1" + tail)
+        "puts layer 2 on stage 0 and layer 4 on stage 1 (parallel.pp_boundaries chooses a split that keeps them on "
+        "one stage)" + tail)
     assert hf_pipeline_refusal(sharing, "GPipe", (), 2, (0, 2)) is None  # layers 0-1 and 2-5: readers with sources
     assert hf_pipeline_refusal(sharing, "GPipe", (), 2, [[0, 1], [2, 3, 4, 5]]) is None  # the same, as lists
     assert "puts layer 2 on stage 1 and layer 4 on stage 2" in hf_pipeline_refusal(sharing, "GPipe", (), 3)
