@@ -186,8 +186,8 @@ def vllm_serve() -> str:
     meta = r["meta"]
     lines = [_wrap(f"`bench/vllm_serve.py` (`bench/results/vllm_serve.json`; {meta['versions']} in its own venv; "
                    f"{meta['steps']} training steps under ep=2, exported in {meta['dtype']}; {meta['new_tokens']} "
-                   f"greedy tokens after each of {len(meta['prompts'])} prompts, and vLLM's next-token "
-                   f"log-probabilities at every prompt position against transformers'):"), "",
+                   f"greedy tokens after each of {len(meta['prompts'])} prompts, and moeflow's and vLLM's "
+                   f"next-token log-probabilities at every prompt position against transformers'):"), "",
              "| run | exported as | moeflow = transformers | vLLM = transformers |", "|---|---|---|---|"]
 
     def agree(row, key):

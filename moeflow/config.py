@@ -186,8 +186,8 @@ class ParallelConfig:
     pp_boundaries: str = ""
     """The first layer of each pipeline stage, comma-separated from 0 (e.g. '0,2' puts layers 0-1 on the first of
     2 stages and the rest on the second; an interleaved schedule has pp x its stages per rank); empty = an even
-    split. For a model whose layers read another layer's keys and values (Gemma 4's KV sharing), a split that
-    keeps each reader on its source's stage."""
+    split. A model whose layers read another layer's keys and values (Gemma 4's KV sharing) needs a split that keeps
+    each reader on its source's stage; its refusal of another names one."""
     ep_over_tp: bool = True
     """With tp > 1, spread the experts over the tp ranks too (EP group ep x tp; each tp rank routes its sequence
     slice: no redundant MoE compute); false computes every MoE layer whole on every tp rank."""
@@ -384,6 +384,9 @@ class JobConfig:
         check_choice("parallel.offload", p.offload, SETTINGS["parallel.offload"])
         if p.ep_overlap_chunks < 1:
             raise ValueError(f"parallel.ep_overlap_chunks must be at least 1, got {p.ep_overlap_chunks}")
+        if self.pipeline_boundaries() is not None and p.pp == 1:
+            raise ValueError(f"parallel.pp_boundaries = {p.pp_boundaries!r} with parallel.pp = 1: there is one stage; "
+                             f"set parallel.pp, or leave pp_boundaries empty (--parallel.pp_boundaries=)")
         if p.ep_num_worst_tokens not in (0, -1):
             # moeflow.ep.Buffer takes a row count (DeepEP's num_worst_tokens) and drops what does not fit; training
             # would lose tokens without a word, so the trainer offers only the sizes that never drop one
@@ -431,6 +434,18 @@ class JobConfig:
             raise ValueError("checkpoint.save_hf = true on a LoRA run: RUN_DIR/adapter/ holds the adapter; for "
                              "merged weights run `moeflow convert moeflow-to-hf RUN_DIR OUT`")
 
+    def pipeline_boundaries(self) -> tuple[int, ...] | None:
+        """parallel.pp_boundaries as ints (None: an even split)."""
+        text = self.parallel.pp_boundaries.strip()
+        if not text:
+            return None
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"parallel.pp_boundaries = {text!r}; use the first layer of each stage, comma-separated "
+                             f"from 0 (e.g. '0,3'), or leave it empty (--parallel.pp_boundaries=) for an even "
+                             f"split") from None
+
     def _validate_profile(self) -> None:
         pr = self.profile
         if not pr.enabled:
@@ -442,17 +457,6 @@ class JobConfig:
             raise ValueError(f"profile.start = {pr.start} is past training.steps = {self.training.steps}; profile an "
                              f"earlier step or train longer")
         self.profiled_ranks()
-
-    def pipeline_boundaries(self) -> tuple[int, ...] | None:
-        """parallel.pp_boundaries as ints (None: an even split)."""
-        text = self.parallel.pp_boundaries.strip()
-        if not text:
-            return None
-        try:
-            return tuple(int(x) for x in text.split(","))
-        except ValueError:
-            raise ValueError(f"parallel.pp_boundaries = {text!r}; use the first layer of each stage, comma-separated "
-                             f"from 0 (e.g. '0,3'), or leave it empty for an even split") from None
 
     def profiled_ranks(self) -> list[int] | None:
         """profile.ranks as ints (None: every rank)."""
@@ -573,12 +577,8 @@ class JobConfig:
         dims = ParallelDims(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
                             zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp, cp=p.cp)
         dims.check_model(self.model)
-        boundaries = self.pipeline_boundaries()
-        if boundaries is not None:
-            if dims.pp == 1:
-                raise ValueError(f"parallel.pp_boundaries = {p.pp_boundaries!r} with parallel.pp = 1: there is one "
-                                 f"stage; set parallel.pp, or leave pp_boundaries empty")
-            pipeline_layout(self.model.n_layers, dims.pp, dims.pp_schedule, boundaries)  # raises its one line
+        if self.pipeline_boundaries() is not None:  # (one entry per stage of the schedule, whatever the model)
+            pipeline_layout(self.model.n_layers, dims.pp, dims.pp_schedule, self.pipeline_boundaries())
         if self.model.runs_transformers and (dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
             self._check_transformers_layout(dims)
         dims.check_sequence(self.data.seq_len)
@@ -609,6 +609,8 @@ class JobConfig:
         model = load(self.model.hf_path, "meta")
         sizes = (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp))
         setting = " x ".join(f"parallel.{k} = {v}" for k, v in sizes if v > 1)
+        if dims.pp > 1 and self.pipeline_boundaries() is not None:
+            setting += f" (parallel.pp_boundaries = {self.parallel.pp_boundaries!r})"
         try:
             adapter_for(model).check(dims, self.pipeline_boundaries())
             if dims.tp > 1:  # the built-in plan places every module (a run passes no plan of its own)

@@ -180,8 +180,25 @@ def _split_sharing(model: nn.Module, loop: LayerLoop, pp_size: int | None, sched
     why = f"layer {j} reads the keys and values layer {i} writes into `{loop.shared}`"
     if pp_size is None:
         return why
-    return (f"{why}, and the split puts layer {i} on stage {stage_of[i]} and layer {j} on stage {stage_of[j]} "
-            f"(parallel.pp_boundaries chooses a split that keeps them on one stage)")
+    starts = _starts_keeping(len(model.model.layers), sources, [spec.layers[0] for spec in pipeline_layout(
+        len(model.model.layers), pp_size, schedule)])
+    fix = (f"parallel.pp_boundaries = '{','.join(map(str, starts))}' keeps each reader on its source's stage"
+           if starts else f"no split into {pp_size} stages keeps every reader on its source's stage")
+    return f"{why}, and the split puts layer {i} on stage {stage_of[i]} and layer {j} on stage {stage_of[j]} ({fix})"
+
+
+def _starts_keeping(n_layers: int, sources: dict[int, int], even: list[int]) -> list[int] | None:
+    """The first layer of each stage, each as near to the even split's (`even`) as leaves room for the stages after
+    it, such that no stage starts between a source and a layer reading it (None: no such split)."""
+    allowed = [b for b in range(1, n_layers) if not any(i < b <= j for j, i in sources.items())]
+    if len(allowed) < len(even) - 1:
+        return None
+    starts = [0]
+    for k, target in enumerate(even[1:]):
+        after = len(even) - 2 - k  # stage starts still to place after this one
+        later = [b for b in allowed if b > starts[-1]]
+        starts.append(min(later[:len(later) - after], key=lambda b: abs(b - target)))
+    return starts
 
 
 def hf_pipeline_refusal(model: nn.Module, pp_schedule: str, microbatch_shape: tuple | None = (),

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from moeflow.config import load_config  # noqa: E402
-from moeflow.train.build import build  # noqa: E402
+from moeflow.train.build import build, parallel_options  # noqa: E402
 from moeflow.train.distributed import DistInfo  # noqa: E402
 from moeflow.train.trainer import train  # noqa: E402
 from tests.support.cli import assert_one_line  # noqa: E402
@@ -147,9 +147,13 @@ def _tiny_folder(arch: str, path):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({}, r"the split puts layer 2 on stage 0 and layer 4 on stage 1 \(parallel.pp_boundaries chooses a split "),
+    ({}, r"parallel.pp = 2 for .*: layer 4 reads .* puts layer 2 on stage 0 and layer 4 on stage 1 "
+         r"\(parallel.pp_boundaries = '0,2' keeps each reader"),
     ({"parallel.pp_boundaries": "0,2"}, None),  # layers 0-1 | 2-5: each reader on its source's stage
-    ({"parallel.pp_boundaries": "0,5"}, r"layer 5 reads the keys and values layer 3 writes"),  # 0-4 | 5
+    ({"parallel.pp_boundaries": "0,5"},  # layers 0-4 | 5
+     r"parallel.pp = 2 \(parallel.pp_boundaries = '0,5'\) for .*: layer 5 reads the keys and values layer 3 "),
+    ({"parallel.pp_boundaries": "0,1,2,4", "parallel.pp_schedule": "Interleaved1F1B"},  # 4 stages, 2 per rank
+     r"transformers' modules run one pipeline stage per rank; parallel.pp_schedule = 'Interleaved1F1B'"),
     ({"parallel.pp_boundaries": "1,3"}, r"parallel.pp_boundaries = \[1, 3\] must be the first layer of each stage"),
     ({"parallel.pp_boundaries": "0,6"}, r"parallel.pp_boundaries names layer 6, which is not a layer of the model"),
     ({"parallel.pp_boundaries": "0,2,4"}, r"parallel.pp_boundaries has 3 entries but the pipeline has 2 stages"),
@@ -159,8 +163,6 @@ def _tiny_folder(arch: str, path):
 def test_the_pipeline_split_is_a_setting_checked_before_any_rank(tmp_path, changes, message):
     # Gemma 4 with two KV-shared layers: layers 4 and 5 read layer 2's and layer 3's keys and values, so the even
     # split is refused and parallel.pp_boundaries picks one that keeps them together
-    import transformers
-
     from tests.support.hf_tiny import tiny_config
 
     folder = tmp_path / "gemma4"
@@ -168,12 +170,11 @@ def test_the_pipeline_split_is_a_setting_checked_before_any_rank(tmp_path, chang
                          num_kv_shared_layers=2)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    np.random.default_rng(0).integers(0, V, 2000).astype(np.uint16).tofile(folder / "tokens.bin")
-    cfg = load_config(None, _overrides(folder, tmp_path / "r", **{"parallel.pp": 2, **changes}))
-    assert_one_line(lambda: cfg.layout(2), message)
+    np.random.default_rng(0).integers(0, config.vocab_size, 2000).astype(np.uint16).tofile(folder / "tokens.bin")
+    overrides = _overrides(folder, tmp_path / "r", **{"parallel.pp": 2, **changes})
+    assert_one_line(lambda: load_config(None, overrides).layout(2), message)
     if message is None:  # and the run's parallelize gets the split
-        from moeflow.train.build import parallel_options
-
+        cfg = load_config(None, overrides)
         dims, batch = cfg.layout(2)
         assert parallel_options(cfg, batch, dims, torch.device("cpu")).pp_boundaries == (0, 2)
 
@@ -276,11 +277,14 @@ def test_pipeline_splits_it_cannot_make_are_named(folder):
     tail = "; a pipeline stage boundary carries only what a layer returns for the next one; use pp = 1"
     assert hf_pipeline_refusal(sharing, "GPipe", (), 2) == (  # an even split: layers 0-2 and 3-5
         "Gemma4ForCausalLM: layer 4 reads the keys and values layer 2 writes into `shared_kv_states`, and the split "
-        "puts layer 2 on stage 0 and layer 4 on stage 1 (parallel.pp_boundaries chooses a split that keeps them on "
-        "one stage)" + tail)
+        "puts layer 2 on stage 0 and layer 4 on stage 1 (parallel.pp_boundaries = '0,2' keeps each reader on its "
+        "source's stage)" + tail)
     assert hf_pipeline_refusal(sharing, "GPipe", (), 2, (0, 2)) is None  # layers 0-1 and 2-5: readers with sources
     assert hf_pipeline_refusal(sharing, "GPipe", (), 2, [[0, 1], [2, 3, 4, 5]]) is None  # the same, as lists
-    assert "puts layer 2 on stage 1 and layer 4 on stage 2" in hf_pipeline_refusal(sharing, "GPipe", (), 3)
+    assert "puts layer 2 on stage 1 and layer 4 on stage 2 (parallel.pp_boundaries = '0,1,2' keeps" in \
+        hf_pipeline_refusal(sharing, "GPipe", (), 3)  # (the only 3 stages that keep layers 2-5 together)
+    assert "(no split into 5 stages keeps every reader on its source's stage)" in hf_pipeline_refusal(
+        sharing, "GPipe", (), 5)
     assert hf_pipeline_refusal(sharing, "GPipe") == (  # no split named: any reader of another layer is refused
         "Gemma4ForCausalLM: layer 4 reads the keys and values layer 2 writes into `shared_kv_states`" + tail)
     every = gemma4(**six, num_kv_shared_layers=6)  # every layer reuses, none writes: nothing to follow
