@@ -27,8 +27,11 @@ ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=256, moe_intermediate_size=128, num_experts=8,
                                          num_experts_per_tok=2)),
     # attention sinks, alternating sliding-window layers, biased experts with clamped SwiGLU
+    # (and YaRN's RoPE, its factor of 32 stretching 16 positions to the folder's 512, as gpt-oss's stretches 4,096)
     "gpt_oss": ("GptOssConfig", dict(intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
-                                     sliding_window=64)),
+                                     sliding_window=64, rope_parameters=dict(
+                                         rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=16, rope_theta=150000.0))),
     # GLM-4.5: a dense first layer, a shared expert, sigmoid routing, RoPE on half of each head, q/k/v biases
     "glm4_moe": ("Glm4MoeConfig", dict(intermediate_size=256, moe_intermediate_size=128, n_routed_experts=8,
                                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
