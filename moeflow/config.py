@@ -350,6 +350,10 @@ class JobConfig:
         if self.model.runs_transformers and self.parallel.ep > 1:
             from moeflow.models.hf_transformers import architecture_of, read_config, uses_experts_interface
 
+            if self.parallel.ep_num_worst_tokens:
+                from moeflow.parallel.parallelize import HF_STATIC_SIZES
+
+                raise ValueError(HF_STATIC_SIZES.format(self.parallel.ep_num_worst_tokens))
             if not uses_experts_interface(read_config(self.model.hf_path)):
                 raise ValueError(f"parallel.ep = {self.parallel.ep} for {architecture_of(self.model.hf_path)}: its "
                                  f"experts are not transformers' experts interface, which moeflow's expert "

@@ -81,7 +81,7 @@ class ExpertParallelDispatcher:
         weight_dtype = topk_weights_TK.dtype
 
         def arrived(_) -> Dispatched:
-            recv_x, recv_w = _wait(event, recv_x_ND, recv_w_NK)
+            recv_x, recv_w = arrived_tensors(event, recv_x_ND, recv_w_NK)
             local = sort_by_expert(recv_x, recv_idx_NK, recv_w.to(weight_dtype), self.num_local_experts, bool(W))
             local.handle = handle
             return local
@@ -90,12 +90,7 @@ class ExpertParallelDispatcher:
         return InFlight().then(arrived)
 
     def _async(self, device: torch.device) -> bool:
-        # The deep_ep adapter's backward is synchronous and its events are the library's: overlap is moeflow's.
-        if self.buffer.is_external:
-            return False
-        if self.overlap is None:
-            return device.type == "cuda" or self.num_chunks > 1
-        return self.overlap
+        return overlaps(self.buffer, self.overlap, self.num_chunks, device)
 
     @torch.compiler.disable  # communication: a graph break (see dispatch)
     def combine(self, y_PD: torch.Tensor, d: Dispatched, x_TD: torch.Tensor) -> InFlight:
@@ -106,10 +101,19 @@ class ExpertParallelDispatcher:
         out_ND = weighted_sum_back(y_PD, d, x_TD).to(y_PD.dtype)
         out_TD, _, event = self.buffer.combine(out_ND, d.handle, async_finish=self._async(out_ND.device))
         dtype = x_TD.dtype  # cast after the wait: out_TD is filled when the combine arrives
-        return InFlight().then(lambda _: _wait(event, out_TD)[0].to(dtype))
+        return InFlight().then(lambda _: arrived_tensors(event, out_TD)[0].to(dtype))
 
 
-def _wait(event, *tensors) -> tuple:
+def overlaps(buffer: Buffer, overlap: bool | None, chunks: int, device: torch.device) -> bool:
+    """Whether a token mover starts its dispatches and combines asynchronously (ExpertParallelDispatcher's
+    `overlap`; None: on for CUDA or more than one chunk)."""
+    # The deep_ep adapter's backward is synchronous and its events are the library's: overlap is moeflow's.
+    if buffer.is_external:
+        return False
+    return device.type == "cuda" or chunks > 1 if overlap is None else overlap
+
+
+def arrived_tensors(event, *tensors) -> tuple:
     """moeflow's EventOverlap.wait (an autograd node: backward overlaps too). deep_ep's calls are made
     synchronously here (its event holds nothing to wait for)."""
     return event.wait(*tensors) if isinstance(event, EventOverlap) else tensors

@@ -29,6 +29,7 @@ from torch import nn
 from moeflow.ep.buffer import Buffer
 from moeflow.models.hf_transformers import is_hf_experts
 from moeflow.models.lora import LORA_EXPERTS_IMPLEMENTATION
+from moeflow.parallel.expert import arrived_tensors, overlaps
 
 __all__ = ["is_hf_experts"]  # (defined with transformers' model, used with the rest here)
 
@@ -38,9 +39,9 @@ EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "
 # the experts function the module's interface call runs under expert parallelism (on this rank's pairs only)
 LOCAL_EXPERTS_IMPLEMENTATION = "grouped_mm"
 
-# experts module -> (its Buffer, E, first global expert held here): kept beside the module, which gains no
-# attribute
-_EXPERT_PARALLEL: weakref.WeakKeyDictionary[nn.Module, tuple[Buffer, int, int]] = weakref.WeakKeyDictionary()
+# experts module -> (its Buffer, E, first global expert held here, chunks, overlap): kept beside the module, which
+# gains no attribute
+_EXPERT_PARALLEL: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def is_expert_parallel_hf(module: nn.Module) -> bool:
@@ -75,9 +76,11 @@ def hf_expert_slices(model: nn.Module) -> dict[str, tuple[int, int]]:
     return out
 
 
-def apply_hf_expert_parallel(model: nn.Module, group=None, backend: str = "auto") -> int:
+def apply_hf_expert_parallel(model: nn.Module, group=None, backend: str = "auto", chunks: int = 1,
+                             overlap: bool | None = None) -> int:
     """Keep this rank's E / R experts of every transformers experts module of `model` and route its tokens through
-    moeflow.ep over `group` (None: the default group). Returns how many experts modules it changed.
+    moeflow.ep over `group` (None: the default group); `chunks` and `overlap` as moeflow's own MoE takes them
+    (moeflow.parallel.expert.ExpertParallelDispatcher). Returns how many experts modules it changed.
 
     Each module keeps its parameter names; its class becomes a subclass whose forward moves the tokens around the
     module's own (no attribute is added). Its tensors become this rank's rows [r * L, (r+1) * L), `num_experts`
@@ -109,7 +112,7 @@ def apply_hf_expert_parallel(model: nn.Module, group=None, backend: str = "auto"
         if module.config._experts_implementation != LORA_EXPERTS_IMPLEMENTATION:  # (that one runs grouped_mm too)
             module.config._experts_implementation = LOCAL_EXPERTS_IMPLEMENTATION
         module.__class__ = _expert_parallel_class(type(module))
-        _EXPERT_PARALLEL[module] = (buffer, E, r * L)
+        _EXPERT_PARALLEL[module] = (buffer, E, r * L, chunks, overlap)
     return len(modules)
 
 
@@ -123,24 +126,43 @@ class _ExpertParallel:
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """[T, D] in, [T, D] out, as the module's own forward in one process (sum over k of top_k_weights[:, k] *
-        expert_k(token), and whatever the architecture does per expert around it)."""
-        buffer, E, _ = _EXPERT_PARALLEL[self]
-        per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(top_k_index, E)
-        # Buffer takes float32 weights (DeepEP's format); back to the router's dtype on arrival
-        recv_x_ND, recv_idx_NK, recv_w_NK, recv_per_expert, handle, _ = buffer.dispatch(
-            hidden_states, topk_idx=top_k_index, topk_weights=top_k_weights.float(), num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-        # A received row carries all K slots of its token, -1 where the expert is on another rank (about
-        # (R - 1) / R of them). The module's own forward runs on the P (row, slot) pairs of this rank's experts
-        # alone, one slot each, so that its gathers, activation and weighting skip the other ranks' slots (the
-        # sentinel slots transformers' function would carry through all of them); each row sums its pairs after.
-        P = sum(recv_per_expert)  # known on the host from the dispatch: no device sync to size the pairs
-        row_P, slot_P = torch.nonzero_static(recv_idx_NK >= 0, size=P).unbind(1)
-        y_PD = super().forward(recv_x_ND[row_P], recv_idx_NK[row_P, slot_P, None],
-                               recv_w_NK[row_P, slot_P, None].to(top_k_weights.dtype))
-        y_ND = y_PD.new_zeros(recv_x_ND.shape).index_add_(0, row_P, y_PD)
-        y_TD, _, _ = buffer.combine(y_ND.to(hidden_states.dtype), handle)
-        return y_TD
+        expert_k(token), and whatever the architecture does per expert around it). The tokens travel in
+        `chunks` chunks, as moeflow's own MoE moves them (MoE.forward): under overlap, chunk i+1's dispatch and
+        chunk i-1's combine are in flight while chunk i's experts compute."""
+        buffer, E, _, chunks, overlap = _EXPERT_PARALLEL[self]
+        asynchronous = overlaps(buffer, overlap, chunks, hidden_states.device)
+        T = hidden_states.shape[0]
+        bounds = [T * i // chunks for i in range(chunks + 1)]
+
+        def send(i: int):
+            rows = slice(bounds[i], bounds[i + 1])
+            x_TD, idx_TK, w_TK = hidden_states[rows], top_k_index[rows], top_k_weights[rows]
+            per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx_TK, E)
+            # Buffer takes float32 weights (DeepEP's format); back to the router's dtype on arrival
+            return buffer.dispatch(x_TD, topk_idx=idx_TK, topk_weights=w_TK.float(), num_tokens_per_rank=per_rank,
+                                   num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                                   num_tokens_per_expert=per_expert, async_finish=asynchronous)
+
+        in_flight, outs = send(0), []
+        for i in range(chunks):
+            nxt = send(i + 1) if i + 1 < chunks else None
+            recv_x_ND, recv_idx_NK, recv_w_NK, recv_per_expert, handle, event = in_flight
+            recv_x_ND, recv_w_NK = arrived_tensors(event, recv_x_ND, recv_w_NK)
+            # A received row carries all K slots of its token, -1 where the expert is on another rank (about
+            # (R - 1) / R of them). The module's own forward runs on the P (row, slot) pairs of this rank's
+            # experts alone, one slot each, so that its gathers, activation and weighting skip the other ranks'
+            # slots (the sentinel slots transformers' function would carry through all of them); each row sums
+            # its pairs after.
+            P = sum(recv_per_expert)  # known on the host from the dispatch: no device sync to size the pairs
+            row_P, slot_P = torch.nonzero_static(recv_idx_NK >= 0, size=P).unbind(1)
+            y_PD = super().forward(recv_x_ND[row_P], recv_idx_NK[row_P, slot_P, None],
+                                   recv_w_NK[row_P, slot_P, None].to(top_k_weights.dtype))
+            y_ND = y_PD.new_zeros(recv_x_ND.shape).index_add_(0, row_P, y_PD)
+            y_TD, _, combined = buffer.combine(y_ND.to(hidden_states.dtype), handle, async_finish=asynchronous)
+            outs.append((combined, y_TD))
+            in_flight = nxt
+        outs = [arrived_tensors(combined, y_TD)[0] for combined, y_TD in outs]
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 _CLASSES: dict[type, type] = {}

@@ -46,10 +46,17 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
     adapter = adapter_for(model)
     options = options or ParallelOptions()
     adapter.check(dims, options.pp_boundaries, options.pp_microbatch_shape)
+    if options.ep_num_worst_tokens and adapter.has_hf_experts and dims.expert_parallel > 1:
+        raise ValueError(HF_STATIC_SIZES.format(options.ep_num_worst_tokens))
     build = _Build(model, adapter, dims, options, ParallelState(model, dims))
     for step in STEPS:
         step(build)
     return build.state
+
+
+# (transformers' experts run on the received (row, slot) pairs, counted on the host from each dispatch)
+HF_STATIC_SIZES = ("parallel.ep_num_worst_tokens = {} on transformers' own experts modules: they run on the pairs "
+                   "each dispatch counts, not on static receive buffers; use 0 (moeflow's own modules take -1)")
 
 
 @dataclass
@@ -116,7 +123,7 @@ def expert_parallel(b: _Build) -> None:
             apply_expert_parallel(b.model, group, backend=o.ep_backend, chunks=o.ep_chunks, overlap=o.ep_overlap,
                                   num_worst_tokens=o.ep_num_worst_tokens)
         elif b.adapter.has_hf_experts:  # transformers' own experts modules (moeflow/parallel/hf_experts.py)
-            apply_hf_expert_parallel(b.model, group, backend=o.ep_backend)
+            apply_hf_expert_parallel(b.model, group, backend=o.ep_backend, chunks=o.ep_chunks, overlap=o.ep_overlap)
 
 
 def tensor_parallel(b: _Build) -> None:

@@ -35,7 +35,7 @@ def _config(arch: str):
     return hf_configs()[arch]
 
 
-def case_matches_one_process(arch: str) -> None:
+def case_matches_one_process(arch: str, chunks: int = 1, overlap: bool | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same weights and batch on every rank
     cfg = _config(arch)
@@ -48,7 +48,7 @@ def case_matches_one_process(arch: str) -> None:
     (logits_ref * probe).sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ref.parameters() if p.requires_grad)
 
-    assert apply_hf_expert_parallel(model) == len(hf_experts_modules(ref))
+    assert apply_hf_expert_parallel(model, chunks=chunks, overlap=overlap) == len(hf_experts_modules(ref))
     logits = model(ids[rank:rank + 1]).logits
     (logits * probe[rank:rank + 1]).sum().backward()
     assert_same_up_to_order(logits, logits_ref[rank:rank + 1], REDUCTION, "logits")
@@ -62,7 +62,7 @@ def case_matches_one_process(arch: str) -> None:
             assert_same_up_to_order(p.grad, q.grad, REDUCTION, name)
 
 
-def case_parallelize_trains_as_one_process(arch: str, zero: int, steps: int = 2) -> None:
+def case_parallelize_trains_as_one_process(arch: str, zero: int, steps: int = 2, **options) -> None:
     """moeflow.parallelize(ep=2, ZeRO) on the model object: FSDP2 shards the replicated weights over the two
     ranks, each keeps its experts; losses, the global gradient norm and every parameter after AdamW steps equal one
     process on the whole batch."""
@@ -73,7 +73,8 @@ def case_parallelize_trains_as_one_process(arch: str, zero: int, steps: int = 2)
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(_config(arch)).float()
     randomize(ref, seed=1)
-    state = moeflow.parallelize(copy.deepcopy(ref), moeflow.ParallelDims(world, ep=world, zero=zero))
+    state = moeflow.parallelize(copy.deepcopy(ref), moeflow.ParallelDims(world, ep=world, zero=zero),
+                                moeflow.ParallelOptions(**options))
     par = state.model
     ids = torch.randint(0, V, (world, S + 1))
     inputs, targets = ids[:, :-1], ids[:, 1:]
@@ -109,10 +110,12 @@ def case_parallelize_trains_as_one_process(arch: str, zero: int, steps: int = 2)
 
 
 def case_experts_that_do_not_split_are_refused() -> None:
-    cfg = transformers.Qwen3MoeConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=3,
-                                      num_experts_per_tok=1, moe_intermediate_size=16)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    def tiny(experts: int):
+        return transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(
+            vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=8, num_experts=experts, num_experts_per_tok=1, moe_intermediate_size=16))
+
+    model = tiny(3)
     before = [p.shape for p in model.parameters()]
     with pytest.raises(ValueError, match=r"parallel.ep = 2 does not divide the 3 experts of Qwen3MoeExperts"):
         apply_hf_expert_parallel(model)
@@ -122,6 +125,9 @@ def case_experts_that_do_not_split_are_refused() -> None:
     with pytest.raises(ValueError, match=r"parallel.ep = 2 does not divide the 3 experts of Qwen3MoeForCausalLM"):
         moeflow.parallelize(model, moeflow.ParallelDims(2, ep=2))
     assert [p.shape for p in model.parameters()] == before  # nothing changed
+    # static receive sizes: transformers' experts run on the pairs each dispatch counts
+    with pytest.raises(ValueError, match=r"parallel.ep_num_worst_tokens = -1 on transformers' own experts modules"):
+        moeflow.parallelize(tiny(4), moeflow.ParallelDims(2, ep=2), moeflow.ParallelOptions(ep_num_worst_tokens=-1))
 
 
 def _run(_, case) -> None:
@@ -139,5 +145,11 @@ def test_hf_experts_under_ep2_equal_one_process():
              # not qwen3_moe's tiny config: its one expert per token with normalised weights gives the router a
              # zero gradient, whose rounding noise AdamW turns into lr-sized steps either way
              ("parallelize mixtral ep=2 zero=1", case_parallelize_trains_as_one_process, dict(arch="mixtral", zero=1)),
+             # the tokens in chunks, each chunk's dispatch and combine started asynchronously or not
+             ("gpt_oss 2 chunks, overlap", case_matches_one_process, dict(arch="gpt_oss", chunks=2, overlap=True)),
+             # (not qwen3_moe's tiny config, whose router gradient is zero up to rounding: see below)
+             ("mixtral 3 chunks", case_matches_one_process, dict(arch="mixtral", chunks=3, overlap=False)),
+             ("parallelize mixtral 2 chunks, overlap", case_parallelize_trains_as_one_process,
+              dict(arch="mixtral", zero=3, ep_chunks=2, ep_overlap=True)),
              ("3 experts over 2 ranks refused", case_experts_that_do_not_split_are_refused, {})]
     check_results(launch(2, cases, _run), cases)

@@ -132,6 +132,9 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
     ({"training.fp8": "tensorwise"}, r"training.fp8 = 'tensorwise' for .* on transformers' own modules"),
     ({"parallel.ep": 2}, None),  # taken
     ({"parallel.ep": 2, "training.compile": True}, None),  # taken: the token mover runs eagerly in the blocks
+    ({"parallel.ep": 2, "parallel.ep_overlap_chunks": 2, "parallel.ep_overlap": True}, None),  # taken
+    ({"parallel.ep": 2, "parallel.ep_num_worst_tokens": -1},
+     r"parallel.ep_num_worst_tokens = -1 on transformers' own experts modules: .*; use 0"),
     ({"model.hf_impl": "native"}, r"config.json describes \['GptOssForCausalLM'\], which moeflow cannot load"),
 ])
 def test_what_is_not_supported_is_one_line_before_any_rank(folder, tmp_path, changes, message):
