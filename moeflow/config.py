@@ -778,7 +778,29 @@ def load_config(path: str | Path | None = None, overrides: dict[str, typing.Any]
     for key, value in values.items():
         if key != "model.name":
             _set(cfg, key, value)
-    return cfg.validate()
+    cfg.validate()
+    if cfg.model.hf_path:
+        _check_folder_overrides(cfg, values)
+    return cfg
+
+
+def _check_folder_overrides(cfg: JobConfig, values: dict[str, typing.Any]) -> None:
+    """A model setting given beside model.hf_path that the folder decides (its architecture; on transformers' own
+    modules its routing too) is one line, not silently another value. A run directory's config.toml, which holds
+    every setting, passes: its values are the folder's."""
+    asked = JobConfig()
+    for key, value in values.items():
+        if not key.startswith("model.") or key in ("model.name", "model.hf_path", "model.hf_impl"):
+            continue
+        _set(asked, key, value)
+        want, got = asked, cfg
+        for part in ALIASES.get(key, key).split("."):
+            want, got = getattr(want, part), getattr(got, part)
+        if want != got:
+            decides = ("its architecture and routing (transformers' own modules)" if cfg.model.runs_transformers
+                       else "its architecture")
+            raise ValueError(f"{key} = {want!r} with model.hf_path = {cfg.model.hf_path!r}: the folder decides "
+                             f"{decides} ({key} = {got!r} from it); drop {key}")
 
 
 def load_run_config(run_dir: str | Path, overrides: dict[str, typing.Any] | None = None,

@@ -103,8 +103,7 @@ def training_config(cfg: ModelConfig) -> ModelConfig:
     if hf_transformers.resolve_impl(cfg, hf) == "transformers":
         weight_files(Path(cfg.hf_path))  # a missing shard is named here, before any process starts
         described = hf_transformers.describe(hf, cfg.hf_path)
-        # the knobs a transformers model takes: the experts' path, the speed of its selection bias (if it has one)
-        described.moe.expert_impl = cfg.moe.expert_impl
+        # the knobs a transformers model takes: the speed of its selection bias (if it has one)
         described.moe.bias_update_rate = cfg.moe.bias_update_rate
         described.moe.load_balance = cfg.moe.load_balance
         return described.validate()

@@ -133,6 +133,11 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
     ({"parallel.ep": 2}, None),  # taken
     ({"parallel.ep": 2, "training.compile": True}, None),  # taken: the token mover runs eagerly in the blocks
     ({"parallel.ep": 2, "parallel.ep_overlap_chunks": 2, "parallel.ep_overlap": True}, None),  # taken
+    # settings the folder decides: one line, not silently the folder's value
+    ({"model.dim": 64}, r"model.dim = 64 with model.hf_path = .*: the folder decides its architecture and routing "
+                        r"\(transformers' own modules\) \(model.dim = 32 from it\); drop model.dim"),
+    ({"model.moe.capacity_factor": 1.25}, r"model.moe.capacity_factor = 1.25 with model.hf_path = .*drop "),
+    ({"model.moe.bias_update_rate": 0.01}, None),  # taken: the selection bias's speed, where it has one
     ({"parallel.ep": 2, "parallel.ep_num_worst_tokens": -1},
      r"parallel.ep_num_worst_tokens = -1 on transformers' own experts modules: .*; use 0"),
     ({"model.hf_impl": "native"}, r"config.json describes \['GptOssForCausalLM'\], which moeflow cannot load"),
