@@ -61,7 +61,8 @@ def _help_config() -> str:
     for key, (typ, doc) in all_keys().items():
         choices = f"\n      one of: {', '.join(SETTINGS[key])}" if key in SETTINGS else ""
         lines.append(f"  --{key}=<{getattr(typ, '__name__', str(typ))}>\n      {doc}{choices}")
-    return "settings (model.* keys override the preset chosen by model.name):\n" + "\n".join(lines)
+    return ("settings (model.* keys override the preset chosen by model.name; with model.hf_path the folder decides "
+            "the architecture):\n" + "\n".join(lines))
 
 
 def _refuse_what_this_torch_cannot_run(cfg, device: str) -> None:

@@ -15,6 +15,7 @@ import textwrap
 import tomllib
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -330,11 +331,14 @@ class JobConfig:
     peft: PeftConfig = field(default_factory=PeftConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
-    def validate(self) -> JobConfig:
+    def validate(self, given: Iterable[str] = ()) -> JobConfig:
+        """Check every setting (one line per refusal), before any process starts. `given`: the keys the user set
+        (a config file, the command line), of which a model.* one that model.hf_path's folder decides is refused."""
         if self.model.hf_path:  # the architecture comes from the folder's config.json
             from moeflow.models.hf import training_config
 
-            self.model = training_config(self.model)
+            asked, self.model = self.model, training_config(self.model)
+            _check_folder_overrides(asked, self.model, given)
         self.model.validate()
         t = self.training
         for name in ("dtype", "on_nonfinite", "device", "fp8", "optimizer", "muon_adjust_lr"):
@@ -347,13 +351,14 @@ class JobConfig:
             unaligned = grouped_mm_alignment_error(self.model.dim, self.model.moe.ffn_dim, itemsize, name)
             if unaligned:
                 raise ValueError(unaligned)
+        p = self.parallel
+        if self.model.runs_transformers and p.ep_num_worst_tokens and (p.ep > 1 or (p.tp > 1 and p.ep_over_tp)):
+            from moeflow.parallel.parallelize import HF_STATIC_SIZES
+
+            raise ValueError(HF_STATIC_SIZES.format(p.ep_num_worst_tokens))
         if self.model.runs_transformers and self.parallel.ep > 1:
             from moeflow.models.hf_transformers import architecture_of, read_config, uses_experts_interface
 
-            if self.parallel.ep_num_worst_tokens:
-                from moeflow.parallel.parallelize import HF_STATIC_SIZES
-
-                raise ValueError(HF_STATIC_SIZES.format(self.parallel.ep_num_worst_tokens))
             if not uses_experts_interface(read_config(self.model.hf_path)):
                 raise ValueError(f"parallel.ep = {self.parallel.ep} for {architecture_of(self.model.hf_path)}: its "
                                  f"experts are not transformers' experts interface, which moeflow's expert "
@@ -758,8 +763,11 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, typing.Any] | None = None) -> JobConfig:
-    """Defaults <- TOML file <- overrides; model.name (if given) first selects the preset."""
+def load_config(path: str | Path | None = None, overrides: dict[str, typing.Any] | None = None,
+                given: Iterable[str] | None = None) -> JobConfig:
+    """Defaults <- TOML file <- overrides; model.name (if given) first selects the preset. `given`: the keys the
+    user set (JobConfig.validate); None: every key of the file and the overrides (a run directory's config.toml,
+    which holds every setting, passes the overrides alone or nothing)."""
     values: dict[str, typing.Any] = {}
     if path is not None:
         path = Path(path)
@@ -778,29 +786,30 @@ def load_config(path: str | Path | None = None, overrides: dict[str, typing.Any]
     for key, value in values.items():
         if key != "model.name":
             _set(cfg, key, value)
-    cfg.validate()
-    if cfg.model.hf_path:
-        _check_folder_overrides(cfg, values)
-    return cfg
+    return cfg.validate(values if given is None else given)
 
 
-def _check_folder_overrides(cfg: JobConfig, values: dict[str, typing.Any]) -> None:
-    """A model setting given beside model.hf_path that the folder decides (its architecture; on transformers' own
-    modules its routing too) is one line, not silently another value. A run directory's config.toml, which holds
-    every setting, passes: its values are the folder's."""
-    asked = JobConfig()
-    for key, value in values.items():
+def _check_folder_overrides(asked: ModelConfig, described: ModelConfig, given: Iterable[str]) -> None:
+    """A model setting the user gave beside model.hf_path that the folder decides (its architecture; on
+    transformers' own modules the knobs of moeflow's MoE layer too) is one line, not silently another value."""
+    from moeflow.models.hf import TRAINING_KNOBS
+
+    knobs = {f"model.{section}.{k}" if section else f"model.{k}" for section, keys in TRAINING_KNOBS.items()
+             for k in keys}
+    for key in (ALIASES.get(k, k) for k in given):
         if not key.startswith("model.") or key in ("model.name", "model.hf_path", "model.hf_impl"):
             continue
-        _set(asked, key, value)
-        want, got = asked, cfg
-        for part in ALIASES.get(key, key).split("."):
+        want, got = asked, described
+        for part in key.split(".")[1:]:
             want, got = getattr(want, part), getattr(got, part)
-        if want != got:
-            decides = ("its architecture and routing (transformers' own modules)" if cfg.model.runs_transformers
-                       else "its architecture")
-            raise ValueError(f"{key} = {want!r} with model.hf_path = {cfg.model.hf_path!r}: the folder decides "
-                             f"{decides} ({key} = {got!r} from it); drop {key}")
+        if want == got:
+            continue
+        if described.runs_transformers and key in knobs:
+            raise ValueError(f"{key} = {want!r} with model.hf_path = {asked.hf_path!r}: a setting of moeflow's own "
+                             f"MoE layer, and this folder trains on transformers' own modules, which route and "
+                             f"compute as the architecture's code does; drop {key}")
+        raise ValueError(f"{key} = {want!r} with model.hf_path = {asked.hf_path!r}: the folder's config.json decides "
+                         f"the architecture, and gives {key} = {got!r}; drop {key}")
 
 
 def load_run_config(run_dir: str | Path, overrides: dict[str, typing.Any] | None = None,
@@ -815,8 +824,8 @@ def load_run_config(run_dir: str | Path, overrides: dict[str, typing.Any] | None
     if not path.is_file():
         return None
     overrides = {"training.stop_at": 0, **(overrides or {})}
-    saved = load_config(path, {"run_dir": str(run_dir)}).model
-    cfg = load_config(path, overrides)
+    saved = load_config(path, {"run_dir": str(run_dir)}, given=()).model
+    cfg = load_config(path, overrides, given=overrides)
     before = {"model.name": saved.name, "model.hf_path": saved.hf_path, **saved.shape_settings()}
     after = {"model.name": cfg.model.name, "model.hf_path": cfg.model.hf_path, **cfg.model.shape_settings()}
     changed = [k for k in {**before, **after} if before.get(k) != after.get(k)]

@@ -93,12 +93,12 @@ def moeflow_to_hf(src: str | Path, dst: str | Path, *, config: str | None = None
     config_path = Path(config) if config else run_dir / "config.toml"
     if not config_path.is_file():
         raise ValueError(f"{config_path} does not exist; pass the run's config.toml with --config")
-    cfg = load_config(config_path).model
+    cfg = load_config(config_path, given=()).model
     if cfg.runs_transformers:
-        return _transformers_to_hf(checkpoint, load_config(config_path), Path(dst), architecture, dtype,
+        return _transformers_to_hf(checkpoint, load_config(config_path, given=()), Path(dst), architecture, dtype,
                                    max_shard_bytes)
     cfg, original, origin = export_source(cfg, run_dir)
-    model = native_model(load_config(config_path), cfg, checkpoint)
+    model = native_model(load_config(config_path, given=()), cfg, checkpoint)
     architecture = architecture or (original.get("architectures") or [None])[0]
     dst = Path(dst)
     save_pretrained(model, cfg, dst, architecture=architecture, dtype=getattr(torch, DTYPES[dtype]),

@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
     if args.run_dir and (Path(args.run_dir) / "config.toml").is_file():
         from moeflow.config import load_config
 
-        job = load_config(Path(args.run_dir) / "config.toml")
+        job = load_config(Path(args.run_dir) / "config.toml", given=())
         job.model = cfg
     d = job.data
     d.source, d.format, d.packing = args.data, args.format, args.packing

@@ -54,7 +54,7 @@ def load_model(run_dir: str | None = None, hf_path: str | None = None, dtype: st
     checkpoint, run = _find_checkpoint(Path(run_dir))
     if not (run / "config.toml").is_file():
         raise ValueError(f"{run} has no config.toml; pass a run directory written by moeflow train or convert")
-    job = load_config(run / "config.toml")
+    job = load_config(run / "config.toml", given=())
     cfg, origin = job.model, run
     if cfg.runs_transformers:  # transformers' own model, with the run's weights
         origin = Path(cfg.hf_path)

@@ -165,7 +165,8 @@ class ModelConfig:
     hf_path: str = ""
     """Load the architecture and weights from this Hugging Face folder (config.json + *.safetensors); its
     architecture replaces the model.* settings, which keep only the training knobs (expert_impl, losses, ...; on
-    transformers' own modules only the selection bias's speed). Another model.* setting given with it is refused."""
+    transformers' own modules moe.load_balance and moe.bias_update_rate). A model.* setting given with it that the
+    folder contradicts is refused."""
     hf_impl: str = "auto"
     """Which code runs model.hf_path: 'native' (moeflow's own model, for the architectures it maps exactly: the
     fast path), 'transformers' (transformers' own modules for any decoder LM, experts through moeflow.ep), or

@@ -46,7 +46,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
     adapter = adapter_for(model)
     options = options or ParallelOptions()
     adapter.check(dims, options.pp_boundaries, options.pp_microbatch_shape)
-    if options.ep_num_worst_tokens and adapter.has_hf_experts and dims.expert_parallel > 1:
+    if options.ep_num_worst_tokens and adapter.has_hf_experts and not adapter.has_moe and dims.expert_parallel > 1:
         raise ValueError(HF_STATIC_SIZES.format(options.ep_num_worst_tokens))
     build = _Build(model, adapter, dims, options, ParallelState(model, dims))
     for step in STEPS:

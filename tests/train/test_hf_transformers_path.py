@@ -134,16 +134,35 @@ def test_layouts_and_a_resharded_resume_train_the_one_process_run(folder, tmp_pa
     ({"parallel.ep": 2, "training.compile": True}, None),  # taken: the token mover runs eagerly in the blocks
     ({"parallel.ep": 2, "parallel.ep_overlap_chunks": 2, "parallel.ep_overlap": True}, None),  # taken
     # settings the folder decides: one line, not silently the folder's value
-    ({"model.dim": 64}, r"model.dim = 64 with model.hf_path = .*: the folder decides its architecture and routing "
-                        r"\(transformers' own modules\) \(model.dim = 32 from it\); drop model.dim"),
-    ({"model.moe.capacity_factor": 1.25}, r"model.moe.capacity_factor = 1.25 with model.hf_path = .*drop "),
+    ({"model.dim": 64}, r"model.dim = 64 with model.hf_path = .*: the folder's config.json decides the "
+                        r"architecture, and gives model.dim = 32; drop model.dim"),
+    ({"model.max_seq_len": 8192, "data.seq_len": 8192}, r"model.max_seq_len = 8192 with model.hf_path"),  # (first)
+    ({"model.moe.capacity_factor": 1.25}, r"model.moe.capacity_factor = 1.25 with model.hf_path = .*: a setting "
+                                          r"of moeflow's own MoE layer, .*; drop model.moe.capacity_factor"),
     ({"model.moe.bias_update_rate": 0.01}, None),  # taken: the selection bias's speed, where it has one
+    ({"parallel.tp": 2, "parallel.ep_num_worst_tokens": -1},  # the experts split over tp too (ep_over_tp)
+     r"parallel.ep_num_worst_tokens = -1 on transformers' own experts modules"),
     ({"parallel.ep": 2, "parallel.ep_num_worst_tokens": -1},
      r"parallel.ep_num_worst_tokens = -1 on transformers' own experts modules: .*; use 0"),
     ({"model.hf_impl": "native"}, r"config.json describes \['GptOssForCausalLM'\], which moeflow cannot load"),
 ])
 def test_what_is_not_supported_is_one_line_before_any_rank(folder, tmp_path, changes, message):
     assert_one_line(lambda: load_config(None, _overrides(folder, tmp_path / "r", **changes)).layout(2), message)
+
+
+def test_a_fresh_start_may_take_a_folder_whose_architecture_differs(folder, tmp_path):
+    """A run directory's config.toml holds every setting: with --fresh and a new model.hf_path its old model's
+    values give way to the folder's, and only what the user gives now is checked against the folder."""
+    from moeflow.config import load_run_config, to_toml
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.toml").write_text(to_toml(load_config(None, {"model.name": "tiny-moe"})))
+    new = {"model.hf_path": str(folder), "data.seq_len": 16}
+    cfg = load_run_config(run, new, model_may_change=True)
+    assert cfg.model.runs_transformers and cfg.model.dim == 32
+    with pytest.raises(ValueError, match=r"model.dim = 64 with model.hf_path"):
+        load_run_config(run, {**new, "model.dim": 64}, model_may_change=True)
 
 
 def _tiny_folder(arch: str, path):
