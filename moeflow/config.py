@@ -356,7 +356,7 @@ class JobConfig:
             from moeflow.parallel.parallelize import HF_STATIC_SIZES
 
             raise ValueError(HF_STATIC_SIZES.format(p.ep_num_worst_tokens))
-        if self.model.runs_transformers and self.parallel.ep > 1:
+        if self.model.runs_transformers and p.ep > 1:
             from moeflow.models.hf_transformers import architecture_of, read_config, uses_experts_interface
 
             if not uses_experts_interface(read_config(self.model.hf_path)):
@@ -388,8 +388,7 @@ class JobConfig:
             self._validate_streaming()
         if self.data.blend:
             blend_sources(self.data)
-        check_choice("parallel.ep_backend", self.parallel.ep_backend, SETTINGS["parallel.ep_backend"])
-        p = self.parallel
+        check_choice("parallel.ep_backend", p.ep_backend, SETTINGS["parallel.ep_backend"])
         check_choice("parallel.offload", p.offload, SETTINGS["parallel.offload"])
         if p.ep_overlap_chunks < 1:
             raise ValueError(f"parallel.ep_overlap_chunks must be at least 1, got {p.ep_overlap_chunks}")
@@ -586,8 +585,9 @@ class JobConfig:
         dims = ParallelDims(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
                             zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp, cp=p.cp)
         dims.check_model(self.model)
-        if self.pipeline_boundaries() is not None:  # (one entry per stage of the schedule, whatever the model)
-            pipeline_layout(self.model.n_layers, dims.pp, dims.pp_schedule, self.pipeline_boundaries())
+        boundaries = self.pipeline_boundaries()
+        if boundaries is not None:  # (one entry per stage of the schedule, whatever the model)
+            pipeline_layout(self.model.n_layers, dims.pp, dims.pp_schedule, boundaries)
         if self.model.runs_transformers and (dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
             self._check_transformers_layout(dims)
         dims.check_sequence(self.data.seq_len)
@@ -618,10 +618,11 @@ class JobConfig:
         model = load(self.model.hf_path, "meta")
         sizes = (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp))
         setting = " x ".join(f"parallel.{k} = {v}" for k, v in sizes if v > 1)
-        if dims.pp > 1 and self.pipeline_boundaries() is not None:
+        boundaries = self.pipeline_boundaries()
+        if dims.pp > 1 and boundaries is not None:
             setting += f" (parallel.pp_boundaries = {self.parallel.pp_boundaries!r})"
         try:
-            adapter_for(model).check(dims, self.pipeline_boundaries())
+            adapter_for(model).check(dims, boundaries)
             if dims.tp > 1:  # the built-in plan places every module (a run passes no plan of its own)
                 check_plan_covers(model, tp_plan(model, fold_experts=dims.fold_experts))
         except ValueError as e:

@@ -143,7 +143,7 @@ class _ExpertParallel:
                                    num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
                                    num_tokens_per_expert=per_expert, async_finish=asynchronous)
 
-        in_flight, outs = send(0), []
+        in_flight, combining = send(0), []
         for i in range(chunks):
             nxt = send(i + 1) if i + 1 < chunks else None
             recv_x_ND, recv_idx_NK, recv_w_NK, recv_per_expert, handle, event = in_flight
@@ -159,9 +159,9 @@ class _ExpertParallel:
                                    recv_w_NK[row_P, slot_P, None].to(top_k_weights.dtype))
             y_ND = y_PD.new_zeros(recv_x_ND.shape).index_add_(0, row_P, y_PD)
             y_TD, _, combined = buffer.combine(y_ND.to(hidden_states.dtype), handle, async_finish=asynchronous)
-            outs.append((combined, y_TD))
+            combining.append((combined, y_TD))
             in_flight = nxt
-        outs = [arrived_tensors(combined, y_TD)[0] for combined, y_TD in outs]
+        outs = [arrived_tensors(combined, y_TD)[0] for combined, y_TD in combining]
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
