@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from moeflow.train import faults
@@ -41,16 +42,21 @@ def launch(nproc: int, rest: list[str], run_dir: str, max_restarts: int) -> int:
     # address from the previous attempt and fail to connect (seen here with torch 2.13; pytorch/pytorch#135712).
     # Unshared, every attempt gets a store of its own.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # The agent's folders for each attempt's per-rank error files: in a temporary folder of ours, removed after the
+    # job, where the agent's default (a torchelastic_* folder in the temp dir) is left behind by every launch.
+    # The failure report reads exit codes, not those files.
+    agent_logs = tempfile.TemporaryDirectory(prefix="moeflow-launch-")
     try:
         torchrun(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                  f"--signals-to-handle={HANDLED_SIGNALS}", "--no-python", sys.executable, "-m", "moeflow",
-                  "train", *rest])
+                  f"--signals-to-handle={HANDLED_SIGNALS}", f"--log-dir={agent_logs.name}", "--no-python",
+                  sys.executable, "-m", "moeflow", "train", *rest])
     except ChildFailedError as e:
         return _report_failure(e.failures, run_dir, max_restarts)
     except SignalException as e:
         return _report_stop(stopped, run_dir, e.sigval)
     finally:
         del os.environ[faults.LAUNCHER_ENV]
+        agent_logs.cleanup()
     if stopped.is_file():  # a rank received the signal itself; every rank checkpointed and stopped
         return _report_stop(stopped, run_dir, None)
     return 0

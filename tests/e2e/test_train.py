@@ -114,10 +114,14 @@ def test_data_errors_reach_the_user_as_one_line(tiny_args, tmp_path):
 
 
 def test_two_processes_train_and_match_one(tiny_args, tmp_path):
-    """`moeflow train --nproc-per-node 2` (FSDP2 over gloo) takes the same steps as one process."""
+    """`moeflow train --nproc-per-node 2` (FSDP2 over gloo) takes the same steps as one process, and leaves nothing
+    in the temp dir (torch.distributed.run's default log folder would stay there after every launch)."""
     args = ["train", *tiny_args, "--training.steps=3", "--no-progress"]
     one = run_cli([*args, f"--run-dir={tmp_path / 'one'}"])
-    two = run_cli([*args, f"--run-dir={tmp_path / 'two'}", "--nproc-per-node", "2"])
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    two = run_cli([*args, f"--run-dir={tmp_path / 'two'}", "--nproc-per-node", "2"], env={"TMPDIR": str(temp)})
+    assert list(temp.iterdir()) == []
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     assert "FSDP2" in two.stdout and "summary" in two.stdout
