@@ -5,18 +5,20 @@ initial weights, one process.
     .venv/bin/python bench/fp8.py --steps 10   # a smoke run
     .venv/bin/python bench/fp8.py --max-rel 0.03   # exit status 1 if an FP8 run strays > 3% from bf16 (GPU smoke)
 
-Runs (each from the same seed): tiny-moe in bf16 (autocast, the baseline), in fp32, and in MXFP8 (dense, attention
-and expert matmuls, the rest fp32: torchao 0.18's MXFP8 ops refuse autocast; its emulation on a CPU); tiny-dense in
-bf16, fp32 and tensorwise / rowwise FP8 (under bf16 autocast). The FP8 recipes with routed experts need CUDA (sm90)
-and are refused on a CPU, so an MoE model takes MXFP8 here. Reports
-the largest and mean relative difference of each step's loss from the baseline, the final losses, and the median
-step time (on a CPU emulation is slower than bf16: it quantises for real, then multiplies in fp32; FP8 pays off
-only with FP8 tensor cores). Writes bench/out/fp8.{json,png}.
+Runs (each from the same seed): tiny-moe in bf16 (autocast, the baseline), in fp32, in MXFP8 (dense, attention
+and expert matmuls, the rest fp32: torchao 0.18's MXFP8 ops refuse autocast; emulated on a CPU) and in tensorwise /
+rowwise FP8 (under bf16 autocast); tiny-dense in bf16, fp32 and tensorwise / rowwise FP8. A run moeflow refuses on
+this machine is left out with training.fp8's reason: the FP8 recipes with routed experts need CUDA (sm90), so on a
+CPU an MoE model takes MXFP8 only; MXFP8 needs torch 2.13, and on a GPU Blackwell. Reports the largest and mean
+relative difference of each step's loss from the baseline, the final losses, and the median step time (on a CPU
+emulation is slower than bf16: it quantises for real, then multiplies in fp32; FP8 pays off only with FP8 tensor
+cores). Writes bench/out/fp8.{json,png} (--out DIR elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -34,10 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMON = ["--data.seq_len=128", "--data.max_bytes=400000", "--training.global_batch=8", "--training.lr=1e-3",
           "--training.warmup_steps=10", "--metrics.log_every=1", "--metrics.tensorboard=false", "--eval.every=0",
           "--checkpoint.enabled=false"]
-RUNS = {  # name: (model, baseline name, fp8 recipe, training.dtype)
+RUNS = {  # name: (model, baseline name, fp8 recipe, training.dtype); those moeflow refuses here are left out
     "tiny-moe bf16": ("tiny-moe", None, "none", "bf16"),
     "tiny-moe fp32": ("tiny-moe", "tiny-moe bf16", "none", "fp32"),
     "tiny-moe mxfp8": ("tiny-moe", "tiny-moe bf16", "mxfp8", "fp32"),
+    "tiny-moe tensorwise": ("tiny-moe", "tiny-moe bf16", "tensorwise", "bf16"),
+    "tiny-moe rowwise": ("tiny-moe", "tiny-moe bf16", "rowwise", "bf16"),
     "tiny-dense bf16": ("tiny-dense", None, "none", "bf16"),
     "tiny-dense fp32": ("tiny-dense", "tiny-dense bf16", "none", "fp32"),
     "tiny-dense tensorwise": ("tiny-dense", "tiny-dense bf16", "tensorwise", "bf16"),
@@ -45,16 +49,23 @@ RUNS = {  # name: (model, baseline name, fp8 recipe, training.dtype)
 }
 
 
-def runs_here() -> dict:
-    """On a GPU the MoE model takes the FP8 recipes (grouped experts need sm90), and MXFP8 only on Blackwell."""
-    if not torch.cuda.is_available():
-        return RUNS
-    runs = {k: v for k, v in RUNS.items() if k != "tiny-moe mxfp8"}
-    runs["tiny-moe tensorwise"] = ("tiny-moe", "tiny-moe bf16", "tensorwise", "bf16")
-    runs["tiny-moe rowwise"] = ("tiny-moe", "tiny-moe bf16", "rowwise", "bf16")
-    if torch.cuda.get_device_capability()[0] >= 10:
-        runs["tiny-moe mxfp8"] = RUNS["tiny-moe mxfp8"]
-    return runs
+def runs_here() -> tuple[dict, dict]:
+    """(the runs moeflow takes on this machine, {left-out run: why}), by training.fp8's own refusal: on a CPU the
+    MoE model takes MXFP8 only (the FP8 grouped GEMM of its experts needs sm90), on a GPU MXFP8 needs Blackwell,
+    and MXFP8 needs torch 2.13. Without torchao there is nothing to measure: exit with its line."""
+    from moeflow.parallel.fp8 import refusal
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if importlib.util.find_spec("torchao") is None:
+        sys.exit(refusal("tensorwise", device, has_experts=False))
+    runs, left_out = {}, {}
+    for name, (model, base, fp8, dtype) in RUNS.items():
+        why = refusal(fp8, device, has_experts=model == "tiny-moe")
+        if why:
+            left_out[name] = why
+        else:
+            runs[name] = (model, base, fp8, dtype)
+    return runs, left_out
 
 
 def run(model: str, fp8: str, dtype: str, steps: int, run_dir: str) -> dict:
@@ -93,13 +104,16 @@ def write_png(results: dict, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--out", default=OUT, help="folder for fp8.json and fp8.png")
     ap.add_argument("--max-rel", type=float, default=None,
                     help="fail (exit status 1) if an FP8 run's loss strays further than this from bf16 at any step")
     args = ap.parse_args()
     torch.set_num_threads(2)
     results = {}
+    runs, left_out = runs_here()
+    for name, why in left_out.items():
+        print(f"# {name}: left out here ({why})")
     with tempfile.TemporaryDirectory() as tmp:
-        runs = runs_here()
         for name, (model, _, fp8, dtype) in runs.items():
             results[name] = run(model, fp8, dtype, args.steps, os.path.join(tmp, name.replace(" ", "_")))
     import torchao
@@ -107,7 +121,7 @@ def main() -> None:
     meta = dict(machine=platform.machine(), cpu_count=os.cpu_count(), python=platform.python_version(),
                 torch=torch.__version__, torchao=torchao.__version__, platform=platform.platform(),
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                common=COMMON, steps=args.steps)
+                common=COMMON, steps=args.steps, left_out=left_out)
     print(f"# {meta['platform']}, {meta['cpu_count']} CPUs, {meta['device']}, python {meta['python']}, "
           f"torch {meta['torch']}, torchao {meta['torchao']}")
     print(f"# {args.steps} steps, {' '.join(COMMON)}")
@@ -123,11 +137,11 @@ def main() -> None:
             r.update(max_rel=max(rel), mean_rel=sum(rel) / len(rel), speed=r["tokens_per_s"] / b["tokens_per_s"])
         print(f"| {name} | {r['loss'][0]:.4f} | {r['loss'][-1]:.4f} | {100 * r['max_rel']:.2f}% | "
               f"{100 * r['mean_rel']:.2f}% | {r['tokens_per_s']:,.0f} | {r['speed']:.2f}x |")
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "fp8.json"), "w") as fh:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "fp8.json"), "w") as fh:
         json.dump({"meta": meta, "results": results}, fh, indent=1)
-    write_png(results, os.path.join(OUT, "fp8.png"))
-    print(f"wrote {OUT}/fp8.json and fp8.png")
+    write_png(results, os.path.join(args.out, "fp8.png"))
+    print(f"wrote {args.out}/fp8.json and fp8.png")
     if args.max_rel is not None:
         strays = [n for n, (_, base, fp8, _) in runs.items() if fp8 != "none" and results[n]["max_rel"] > args.max_rel]
         if strays:

@@ -26,6 +26,11 @@ the median, and the targets are ratios measured in the same run (docs/design.md,
     .venv/bin/python bench/moe_layer.py             # E=16, top-4, D=F=256, 1024 tokens, fp32, 2 threads
     .venv/bin/python bench/moe_layer.py --quick     # a few repeats
     .venv/bin/python bench/moe_layer.py --tokens 4096 --experts 64 --topk 8 --hidden 512
+    python bench/moe_layer.py --device cuda --dtype bfloat16 --tokens 8192 --experts 64 --topk 8 \
+        --hidden 2048 --ffn 1408 --no-eager --archs ''    # the GPU shape (bench/gpu_measure.py runs it)
+
+With --dtype bfloat16 every case's weights and inputs are bf16 (the floors' too); on CUDA each timed call is
+bracketed by torch.cuda.synchronize, so a time is the kernels' and not their launch.
 
 Writes bench/out/moe_layer.json, bench/out/moe_layer.png and bench/out/moe_layer_archs.png.
 Shape suffixes: T tokens, K top-k, E experts, D model width, F expert width, N = T*K routed rows.
@@ -58,8 +63,14 @@ from moeflow.models import moe as moe_mod  # noqa: E402
 
 MOEFLOW_IMPLS = ("grouped_mm", "bmm", "loop")
 HF_IMPLS = ("grouped_mm", "eager")
-TARGET_VS_HF = 1.5  # moeflow at least this many times faster than hf[grouped_mm]
-TARGET_VS_FLOOR = 1.25  # moeflow within this factor of the dense mm floor
+# (moeflow at least this many times faster than hf[grouped_mm], moeflow within this factor of the dense mm floor),
+# per device type: a CPU's elementwise passes cost more next to its matmuls than a GPU's fused ones do
+TARGETS = {"cpu": (1.5, 1.25), "cuda": (1.3, 1.5)}
+# Largest max-abs difference between two implementations, relative to the output scale. They are compared in fp32
+# (on --device) before the timed cases take --dtype: fp32 sums in another order differ near 1e-6, while in bf16 a
+# router logit rounded another way can pick another expert for a token.
+AGREE_TOL = 1e-4
+DTYPES = ("float32", "bfloat16")
 
 
 # ---- models ------------------------------------------------------------------------------
@@ -130,6 +141,11 @@ def build_hf(src: moe_mod.MoE, impl: str):
 # ---- timed cases ---------------------------------------------------------------------------
 
 
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class Case:
     """A callable that runs one forward+backward; `reset` runs before each timed call, untimed."""
 
@@ -143,8 +159,10 @@ class Case:
 
     def run_once(self) -> float:
         self.reset()
+        sync()
         t0 = time.perf_counter()
         self.fn()
+        sync()
         return (time.perf_counter() - t0) * 1e3
 
 
@@ -158,12 +176,17 @@ def module_case(name: str, module: torch.nn.Module, x_BSD: torch.Tensor, dy_BSD:
     return Case(name, fn, [x, *module.parameters()], group)
 
 
-def dense_mm_floor_case(N: int, D: int, F: int, gen: torch.Generator) -> Case:
+def randn(gen: torch.Generator, like: torch.Tensor, *shape: int) -> torch.Tensor:
+    """Standard normal numbers from the CPU generator `gen` (the same on every device), on `like`'s device and dtype."""
+    return torch.randn(shape, generator=gen).to(like)
+
+
+def dense_mm_floor_case(N: int, D: int, F: int, gen: torch.Generator, like: torch.Tensor) -> Case:
     """The 9 matmuls of a SwiGLU over N rows, forward and backward, with nothing else (no autograd)."""
-    x_ND = torch.randn(N, D, generator=gen)
-    w1_DF, w3_DF = torch.randn(D, F, generator=gen), torch.randn(D, F, generator=gen)
-    w2_FD = torch.randn(F, D, generator=gen)
-    dy_ND = torch.randn(N, D, generator=gen)
+    x_ND = randn(gen, like, N, D)
+    w1_DF, w3_DF = randn(gen, like, D, F), randn(gen, like, D, F)
+    w2_FD = randn(gen, like, F, D)
+    dy_ND = randn(gen, like, N, D)
 
     def fn():
         h1_NF, h3_NF = x_ND @ w1_DF, x_ND @ w3_DF  # forward
@@ -178,14 +201,14 @@ def dense_mm_floor_case(N: int, D: int, F: int, gen: torch.Generator) -> Case:
     return Case("dense mm floor", fn, [], "floor")
 
 
-def grouped_mm_floor_case(counts_E: torch.Tensor, D: int, F: int, gen: torch.Generator) -> Case:
+def grouped_mm_floor_case(counts_E: torch.Tensor, D: int, F: int, gen: torch.Generator, like: torch.Tensor) -> Case:
     """The dense floor's 9 matmuls as grouped matmuls over the routing's expert groups (torch._grouped_mm, the
     kernel moeflow's experts call), still with nothing else: what splitting the rows by expert costs by itself."""
     E, N = counts_E.numel(), int(counts_E.sum())
     offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-    x_ND, dy_ND = torch.randn(N, D, generator=gen), torch.randn(N, D, generator=gen)
-    w1_EDF, w3_EDF = torch.randn(E, D, F, generator=gen), torch.randn(E, D, F, generator=gen)
-    w2_EFD = torch.randn(E, F, D, generator=gen)
+    x_ND, dy_ND = randn(gen, like, N, D), randn(gen, like, N, D)
+    w1_EDF, w3_EDF = randn(gen, like, E, D, F), randn(gen, like, E, D, F)
+    w2_EFD = randn(gen, like, E, F, D)
     gmm = torch._grouped_mm
 
     def fn():
@@ -201,10 +224,10 @@ def grouped_mm_floor_case(counts_E: torch.Tensor, D: int, F: int, gen: torch.Gen
     return Case("grouped mm floor", fn, [], "floor")
 
 
-def dense_swiglu_case(N: int, D: int, F: int, gen: torch.Generator) -> Case:
-    ffn = moe_mod.FeedForward(D, F)
-    x = torch.randn(N, D, generator=gen).requires_grad_(True)
-    dy = torch.randn(N, D, generator=gen)
+def dense_swiglu_case(N: int, D: int, F: int, gen: torch.Generator, like: torch.Tensor) -> Case:
+    ffn = moe_mod.FeedForward(D, F).to(like)
+    x = randn(gen, like, N, D).requires_grad_(True)
+    dy = randn(gen, like, N, D)
 
     def fn():
         ffn(x).backward(dy)
@@ -309,29 +332,34 @@ def hf_block_with_impl(block, impl: str):
 
 
 def arch_section(args, x_BSD: torch.Tensor, dy_BSD: torch.Tensor) -> dict:
+    """x_BSD, dy_BSD: the timed cases' input and output gradient (--device, --dtype)."""
     from moeflow.models.hf_live import moe_from_hf_block
 
     E, K, D, F = args.experts, args.topk, args.hidden, args.ffn
+    x32, dy32 = x_BSD.float(), dy_BSD.float()
     cases, separate, agreement = [], [], {}
     for arch in args.archs:
         block, cfg = build_hf_arch_block(arch, E, K, D, F, args.seed)
         mf = moe_from_hf_block(block, cfg)
-        y_ref, dx_ref = fwd_bwd(mf, x_BSD, dy_BSD)
+        block, mf = block.to(x32), mf.to(x32)
+        y_ref, dx_ref = fwd_bwd(mf, x32, dy32)
         agreement[arch] = {"output_scale": float(y_ref.abs().max())}
-        cases.append(module_case(f"{arch} moeflow[{mf.experts.resolve_impl(x_BSD)}]", mf, x_BSD, dy_BSD, "moeflow"))
+        cases.append(module_case(f"{arch} moeflow[{mf.experts.resolve_impl(x_BSD)}]", mf.to(x_BSD), x_BSD, dy_BSD,
+                                 "moeflow"))
         for impl in HF_EXPERT_IMPLS:
             twin = hf_block_with_impl(block, impl)
-            y, dx = fwd_bwd(twin, x_BSD, dy_BSD)
+            y, dx = fwd_bwd(twin, x32, dy32)
             agreement[arch][impl] = {"output": max_abs(y, y_ref), "input_grad": max_abs(dx, dx_ref)}
             (separate if impl in SEPARATE_IMPLS else cases).append(
-                module_case(f"{arch} hf[{impl}]", twin, x_BSD, dy_BSD, "hf"))
+                module_case(f"{arch} hf[{impl}]", twin.to(x_BSD), x_BSD, dy_BSD, "hf"))
     time_cases(cases, args.warmup, args.repeats, args.seed)
-    time_cases(separate, 0, min(args.repeats, SEPARATE_REPEATS), args.seed)  # fwd_bwd above was the warm-up
+    # in fp32 the agreement's fwd_bwd above was the separate cases' warm-up
+    time_cases(separate, int(x_BSD.dtype != torch.float32), min(args.repeats, SEPARATE_REPEATS), args.seed)
     cases += separate
     med = {c.name: statistics.median(c.times_ms) for c in cases}
 
     print(f"\nper architecture: transformers' sparse block vs moeflow's MoE built from it (median ms, fwd+bwd, "
-          f"T={args.tokens} E={E} K={K} D={D} F={F})")
+          f"T={args.tokens} E={E} K={K} D={D} F={F} {args.dtype})")
     print(f"{'architecture':14s} {'moeflow':>9s} " + " ".join(f"{'hf[' + i + ']':>15s}" for i in HF_EXPERT_IMPLS)
           + f" {'best hf/moeflow':>15s}  max abs diff (output, input grad)")
     rows = {}
@@ -343,7 +371,7 @@ def arch_section(args, x_BSD: torch.Tensor, dy_BSD: torch.Tensor) -> dict:
         rows[arch] = {"moeflow_ms": med[mf_name], "moeflow_impl": mf_name.split()[1], "hf_ms": hf_ms,
                       "fastest_hf": fastest, "speedup_vs_fastest_hf": ratio(hf_ms[fastest], med[mf_name]),
                       "agreement": agreement[arch],
-                      "outputs_agree": max(worst) <= 1e-4 * max(1.0, agreement[arch]["output_scale"])}
+                      "outputs_agree": max(worst) <= AGREE_TOL * max(1.0, agreement[arch]["output_scale"])}
         print(f"{arch:14s} {med[mf_name]:9.2f} " + " ".join(f"{hf_ms[i]:15.2f}" for i in HF_EXPERT_IMPLS)
               + f" {rows[arch]['speedup_vs_fastest_hf']:14.2f}x  {worst[0]:.1e}, {worst[1]:.1e}")
     print(f"({', '.join(SEPARATE_IMPLS)}: median of {min(args.repeats, SEPARATE_REPEATS)} runs after the interleaved "
@@ -394,7 +422,7 @@ def plot_archs(rows: dict, path: Path, title: str) -> None:
 # ---- driver --------------------------------------------------------------------------------
 
 
-def machine_info(threads: int) -> dict:
+def machine_info(threads: int, device: str) -> dict:
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -415,6 +443,7 @@ def machine_info(threads: int) -> dict:
         "transformers": transformers.__version__,
         "mkldnn": torch.backends.mkldnn.is_available(),
         "mkl": torch.backends.mkl.is_available(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
     }
 
 
@@ -429,6 +458,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed runs of every case first")
     p.add_argument("--quick", action="store_true", help="3 repeats, 1 warm-up (a smoke run; noisy)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="of every timed case's weights and inputs (the agreement is checked in fp32 first)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eager", action="store_true", help="skip hf[eager] and moeflow[loop] (slow at large E)")
     p.add_argument("--archs", default=",".join(ARCHS),
@@ -472,29 +504,31 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     T, E, K, D, F = args.tokens, args.experts, args.topk, args.hidden, args.ffn
     N = T * K
-    info = machine_info(args.threads)
-    print(
-        f"moe_layer bench: T={T} E={E} K={K} D={D} F={F} fp32, fwd+bwd, "
-        f"{args.repeats} repeats (interleaved) after {args.warmup} warm-up"
-    )
+    info = machine_info(args.threads, args.device)
+    target_vs_hf, target_vs_floor = TARGETS[args.device]
+    shape_text = f"T={T} E={E} K={K} D={D} F={F} {args.dtype} on {args.device}"
+    print(f"moe_layer bench: {shape_text}, fwd+bwd, {args.repeats} repeats (interleaved) after {args.warmup} warm-up")
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
 
     gen = torch.Generator().manual_seed(args.seed + 1)
-    x_BSD = torch.randn(1, T, D, generator=gen)
-    dy_BSD = torch.randn(1, T, D, generator=gen)
+    like = torch.empty(0, device=args.device, dtype=getattr(torch, args.dtype))  # the timed tensors' device and dtype
+    x32_BSD, dy32_BSD = randn(gen, like.float(), 1, T, D), randn(gen, like.float(), 1, T, D)
+    x_BSD, dy_BSD = x32_BSD.to(like), dy32_BSD.to(like)
 
     mf_impls = [i for i in MOEFLOW_IMPLS if not (args.no_eager and i == "loop")]
     hf_impls = [i for i in HF_IMPLS if not (args.no_eager and i == "eager")]
-    base = build_moeflow(T, E, K, D, F, mf_impls[0], args.seed)
+    base = build_moeflow(T, E, K, D, F, mf_impls[0], args.seed).to(args.device)
     mf = {f"moeflow[{mf_impls[0]}]": base}
     for impl in mf_impls[1:]:
-        m = build_moeflow(T, E, K, D, F, impl, args.seed)
+        m = build_moeflow(T, E, K, D, F, impl, args.seed).to(args.device)
         copy_weights(m, base)
         mf[f"moeflow[{impl}]"] = m
-    auto_impl = moe_mod.DEFAULT_EXPERT_IMPL.get("cpu", "loop")
-    hf = {f"hf[{impl}]": build_hf(base, impl) for impl in hf_impls}
+    auto_impl = moe_mod.DEFAULT_EXPERT_IMPL.get(args.device, "loop")
+    hf = {f"hf[{impl}]": build_hf(base, impl).to(args.device) for impl in hf_impls}
 
-    agree = check_agreement(mf, hf, x_BSD, dy_BSD)
+    agree = check_agreement(mf, hf, x32_BSD, dy32_BSD)
+    for module in (*mf.values(), *hf.values()):
+        module.to(like)
     print(
         f"\nagreement (fp32 max abs difference; output scale {agree['output_scale']:.3g}, "
         f"input-grad scale {agree['input_grad_scale']:.3g}):"
@@ -503,14 +537,14 @@ def main(argv=None) -> int:
         if isinstance(d, dict):
             print(f"  {key:36s} " + "  ".join(f"{k} {v:.2e}" for k, v in d.items()))
     worst = max(v for d in agree.values() if isinstance(d, dict) for v in d.values())
-    agree_ok = worst <= 1e-4 * max(1.0, agree["output_scale"], agree["input_grad_scale"])
+    agree_ok = worst <= AGREE_TOL * max(1.0, agree["output_scale"], agree["input_grad_scale"])
 
     cases = [module_case(name, m, x_BSD, dy_BSD, "moeflow") for name, m in mf.items()]
     cases += [module_case(name, b, x_BSD, dy_BSD, "hf") for name, b in hf.items()]
     with torch.no_grad():
         counts_E = base.router(x_BSD.reshape(-1, D)).tokens_per_expert  # the timed blocks' own expert groups
-    cases += [dense_mm_floor_case(N, D, F, gen), grouped_mm_floor_case(counts_E, D, F, gen),
-              dense_swiglu_case(N, D, F, gen)]
+    cases += [dense_mm_floor_case(N, D, F, gen, like), grouped_mm_floor_case(counts_E, D, F, gen, like),
+              dense_swiglu_case(N, D, F, gen, like)]
 
     time_cases(cases, args.warmup, args.repeats, args.seed)
 
@@ -549,23 +583,23 @@ def main(argv=None) -> int:
         "fastest_moeflow_impl_by_median": mf_best,
         "ratios_of_medians": r_med,
         "ratios_of_minima": r_min,
-        "target_speedup_vs_hf_grouped_mm": TARGET_VS_HF,
-        "target_ratio_to_dense_floor": TARGET_VS_FLOOR,
-        "met_vs_hf": r_med["vs_hf_grouped_mm"] >= TARGET_VS_HF,
-        "met_vs_floor": r_med["to_dense_floor"] <= TARGET_VS_FLOOR,
+        "target_speedup_vs_hf_grouped_mm": target_vs_hf,
+        "target_ratio_to_dense_floor": target_vs_floor,
+        "met_vs_hf": r_med["vs_hf_grouped_mm"] >= target_vs_hf,
+        "met_vs_floor": r_med["to_dense_floor"] <= target_vs_floor,
         # the floor split in two: grouping the rows by expert (grouped / dense floor), and everything that is not a
         # matmul (routing, permutation, SwiGLU and weighting elementwise, autograd: moeflow / grouped floor)
         "grouped_floor_to_dense_floor": ratio(med["grouped mm floor"], med["dense mm floor"]),
         "ratio_to_grouped_floor": ratio(med[auto_name], med["grouped mm floor"]),
         "outputs_agree": agree_ok,
     }
-    print(f"\nDEFAULT_EXPERT_IMPL['cpu'] = {auto_impl!r}; fastest measured moeflow path here: {mf_best}")
+    print(f"\nDEFAULT_EXPERT_IMPL[{args.device!r}] = {auto_impl!r}; fastest measured moeflow path here: {mf_best}")
     print(
-        f"target: {auto_name} >= {TARGET_VS_HF}x faster than hf[grouped_mm]: {r_med['vs_hf_grouped_mm']:.2f}x "
+        f"target: {auto_name} >= {target_vs_hf}x faster than hf[grouped_mm]: {r_med['vs_hf_grouped_mm']:.2f}x "
         f"(minima {r_min['vs_hf_grouped_mm']:.2f}x) -> {'met' if targets['met_vs_hf'] else 'MISSED'}"
     )
     print(
-        f"target: {auto_name} within {TARGET_VS_FLOOR}x of the dense mm floor: {r_med['to_dense_floor']:.2f}x "
+        f"target: {auto_name} within {target_vs_floor}x of the dense mm floor: {r_med['to_dense_floor']:.2f}x "
         f"(minima {r_min['to_dense_floor']:.2f}x) -> {'met' if targets['met_vs_floor'] else 'MISSED'}"
     )
     print(f"the floor split in two: grouped mm floor / dense floor {targets['grouped_floor_to_dense_floor']:.2f}x "
@@ -578,7 +612,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "bench": "moe_layer",
-        "shape": {"tokens": T, "experts": E, "topk": K, "hidden": D, "ffn": F, "dtype": "float32"},
+        "shape": {"tokens": T, "experts": E, "topk": K, "hidden": D, "ffn": F, "dtype": args.dtype,
+                  "device": args.device},
         "method": {"repeats": args.repeats, "warmup": args.warmup, "interleaved": True, "statistic": "median"},
         "machine": info,
         "median_ms": med,
@@ -598,12 +633,12 @@ def main(argv=None) -> int:
         q,
         med["dense mm floor"],
         png_path,
-        f"MoE block fwd+bwd, T={T} E={E} K={K} D={D} F={F} fp32, "
+        f"MoE block fwd+bwd, {shape_text}, "
         f"{args.threads} threads\ntorch {torch.__version__}, transformers {info['transformers']}",
     )
     if archs:
         arch_png = args.out / "moe_layer_archs.png"
-        plot_archs(archs["rows"], arch_png, f"HF sparse blocks vs moeflow MoE, T={T} E={E} K={K} D={D} F={F} fp32, "
+        plot_archs(archs["rows"], arch_png, f"HF sparse blocks vs moeflow MoE, {shape_text}, "
                    f"{args.threads} threads\ntorch {torch.__version__}, transformers {info['transformers']}")
         print(f"wrote {arch_png}")
         if not all(r["outputs_agree"] for r in archs["rows"].values()):

@@ -78,3 +78,37 @@ def test_gpu_smoke_script_runs_on_a_cpu():
         shell = subprocess.run(["bash", str(BENCH / "gpu_smoke.sh")], capture_output=True, text=True, timeout=120,
                                env={**env, "PYTHON": sys.executable})
         assert shell.returncode == 0 and shell.stdout.strip() == "no CUDA device: skipped", shell.stdout
+
+
+@pytest.mark.slow  # 25 s: make test runs it, CI does not
+def test_gpu_measure_script_runs_on_a_cpu(tmp_path):
+    """bench/gpu_measure.py --device cpu: the three parts at toy sizes each run and leave their figures in the JSON
+    (the moe block's agreement, the trainer's tokens/s, FP8's loss differences); a part that fails is reported as
+    failed with its last line, and the others still run; the shell wrapper skips without CUDA."""
+    import json
+    import subprocess
+
+    import torch
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    run = subprocess.run([sys.executable, str(BENCH / "gpu_measure.py"), "--device", "cpu", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=BENCH.parent, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    parts = json.loads((tmp_path / "gpu_measure.json").read_text())["parts"]
+    assert [p["rc"] for p in parts.values()] == [0, 0, 0], parts
+    assert parts["moe_layer"]["figures"]["outputs_agree"] is True
+    train = parts["train"]["figures"]
+    assert train["tokens_per_s"] > 0 and train["timed_steps"] == 2 and "mfu" not in train  # no peak FLOP/s on a CPU
+    assert {"tiny-dense tensorwise", "tiny-dense rowwise"} <= set(parts["fp8"]["figures"])
+    assert "===== summary" in (tmp_path / "gpu_measure.log").read_text()
+
+    # a part that fails: the train part with a setting the trainer refuses
+    gm = _bench_script("gpu_measure")
+    part = gm.run_part("train", [sys.executable, "-m", "moeflow", "train", "--training.steps=-1"],
+                       tmp_path / "failed.log", 60)
+    assert part["rc"] != 0 and "training.steps" in part["error"], part
+    assert gm.summary_lines({"train": part})[0].startswith("train: FAILED")
+    if not torch.cuda.is_available():
+        shell = subprocess.run(["bash", str(BENCH / "gpu_measure.sh")], capture_output=True, text=True, timeout=120,
+                               env={**env, "PYTHON": sys.executable})
+        assert shell.returncode == 0 and shell.stdout.strip() == "no CUDA device: skipped", shell.stdout
