@@ -585,9 +585,8 @@ class JobConfig:
         dims = ParallelDims(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
                             zero=p.zero, pp_schedule=p.pp_schedule, ep_over_tp=p.ep_over_tp, cp=p.cp)
         dims.check_model(self.model)
-        boundaries = self.pipeline_boundaries()
-        if boundaries is not None:  # (one entry per stage of the schedule, whatever the model)
-            pipeline_layout(self.model.n_layers, dims.pp, dims.pp_schedule, boundaries)
+        if self.pipeline_boundaries() is not None:  # (one entry per stage of the schedule, whatever the model)
+            self._check_pipeline_boundaries(dims)
         if self.model.runs_transformers and (dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
             self._check_transformers_layout(dims)
         dims.check_sequence(self.data.seq_len)
@@ -606,6 +605,22 @@ class JobConfig:
             )
         return dims, dims.split_batch(t.global_batch, t.micro_batch, p.pp_microbatches)
 
+
+    def _check_pipeline_boundaries(self, dims: ParallelDims) -> None:
+        """parallel.pp_boundaries against the schedule's stages and model.n_layers, in the setting's own words (the
+        split's check in moeflow.parallelize also takes per-stage layer lists and module names), with the even split
+        in the same form."""
+        starts, n, text = self.pipeline_boundaries(), self.model.n_layers, self.parallel.pp_boundaries
+        even = pipeline_layout(n, dims.pp, dims.pp_schedule)  # its own line when the stages outnumber the layers
+        if len(starts) != len(even):
+            why = (f"has {len(starts)} entries for the {len(even)} stages of parallel.pp = {dims.pp} with "
+                   f"parallel.pp_schedule = {dims.pp_schedule!r}")
+        elif starts[0] != 0 or any(a >= b for a, b in zip(starts, starts[1:])) or starts[-1] >= n:
+            why = f"must start at 0 and strictly increase below model.n_layers = {n} (at least one layer a stage)"
+        else:
+            return
+        raise ValueError(f"parallel.pp_boundaries = {text!r} {why}: it is the first layer of each stage, "
+                         f"comma-separated (the even split is '{','.join(str(s.layers[0]) for s in even)}')")
 
     def _check_transformers_layout(self, dims: ParallelDims) -> None:
         """Tensor, pipeline and context parallelism of transformers' own modules: the built-in plan places every

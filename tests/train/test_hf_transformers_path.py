@@ -181,9 +181,12 @@ def _tiny_folder(arch: str, path):
      r"parallel.pp = 2 \(parallel.pp_boundaries = '0,5'\) for .*: layer 5 reads the keys and values layer 3 "),
     ({"parallel.pp_boundaries": "0,1,2,4", "parallel.pp_schedule": "Interleaved1F1B"},  # 4 stages, 2 per rank
      r"transformers' modules run one pipeline stage per rank; parallel.pp_schedule = 'Interleaved1F1B'"),
-    ({"parallel.pp_boundaries": "1,3"}, r"parallel.pp_boundaries = \[1, 3\] must be the first layer of each stage"),
-    ({"parallel.pp_boundaries": "0,6"}, r"parallel.pp_boundaries names layer 6, which is not a layer of the model"),
-    ({"parallel.pp_boundaries": "0,2,4"}, r"parallel.pp_boundaries has 3 entries but the pipeline has 2 stages"),
+    ({"parallel.pp_boundaries": "1,3"}, r"parallel.pp_boundaries = '1,3' must start at 0 and strictly increase below "
+     r"model.n_layers = 6 \(at least one layer a stage\): it is the first layer of each stage, comma-separated \(the "
+     r"even split is '0,3'\)"),
+    ({"parallel.pp_boundaries": "0,6"}, r"parallel.pp_boundaries = '0,6' must start at 0 .* is '0,3'"),
+    ({"parallel.pp_boundaries": "0,3,1"}, r"parallel.pp_boundaries = '0,3,1' has 3 entries for the 2 stages of "
+     r"parallel.pp = 2 with parallel.pp_schedule = '1F1B': .* is '0,3'"),
     ({"parallel.pp_boundaries": "0;2"}, r"parallel.pp_boundaries = '0;2'; use the first layer of each stage"),
     ({"parallel.pp_boundaries": "0,2", "parallel.pp": 1}, r"parallel.pp_boundaries = '0,2' with parallel.pp = 1"),
 ])
