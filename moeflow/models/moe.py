@@ -267,15 +267,19 @@ def expert_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return count_keys(key, num_experts + 1)[:num_experts]
 
 
-def permute_by_expert(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def permute_by_expert(topk_idx_TK: torch.Tensor, num_experts: int,
+                      dropless: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(order_N, counts_E): flat (t*K + k) positions of the valid pairs, sorted by expert; per-expert counts.
 
-    The number of valid pairs N is data dependent, so slicing to it is a host sync (one per layer).
+    With capacity drops the number of valid pairs N is data dependent, so slicing to it is a host sync (one per
+    layer, and a graph break under torch.compile); `dropless` (no pair is -1) knows N = T*K without reading it.
     """
     flat = topk_idx_TK.reshape(-1)
     key = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)  # dropped pairs sort last
     order = torch.argsort(key, stable=True)
     counts_E = expert_counts(topk_idx_TK, num_experts)
+    if dropless:
+        return order, counts_E
     n_valid = int(counts_E.sum())  # host sync: the output size of the expert matmuls
     return order[:n_valid], counts_E
 
@@ -294,11 +298,12 @@ class Dispatched:
 
 
 def sort_by_expert(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                   num_experts: int, static: bool = False) -> Dispatched:
+                   num_experts: int, static: bool = False, dropless: bool = False) -> Dispatched:
     """Gather one row per valid (row, expert) pair, grouped by expert (-1 pairs are skipped).
 
     static: keep all T*K pairs, the -1 ones last (masked to zero), so no size is read back to the host; the
-    experts' grouped matmul covers only the pairs its offsets count."""
+    experts' grouped matmul covers only the pairs its offsets count. dropless: there are no -1 pairs (routing
+    without a capacity), so every size is known without reading one back and nothing needs masking."""
     if static:
         K = topk_idx_TK.shape[1]
         key_N = torch.where(topk_idx_TK >= 0, topk_idx_TK, num_experts).reshape(-1)
@@ -309,7 +314,7 @@ def sort_by_expert(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_T
         x_ND = torch.where(valid_N.unsqueeze(-1), x_TD.index_select(0, row_N), 0.0)
         weight_N = topk_weights_TK.reshape(-1).index_select(0, order_N)
         return Dispatched(x_ND, counts_E, row_N, weight_N, x_TD.shape[0], valid_N=valid_N)
-    order_N, counts_E = permute_by_expert(topk_idx_TK, num_experts)
+    order_N, counts_E = permute_by_expert(topk_idx_TK, num_experts, dropless)
     row_N = order_N // topk_idx_TK.shape[1]
     # index_select, not x_TD[row_N]: its backward is an index_add, where advanced indexing's is an
     # accumulating index_put, ~10x slower on the CPU (~1.7 ms of a 40 ms step in bench/moe_layer.py).
@@ -384,15 +389,16 @@ class LocalDispatcher:
     """Every expert lives in this process: dispatch sorts the token copies by expert, combine sums them back.
     One chunk, and nothing is ever in flight."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, dropless: bool = False):
         self.num_experts = num_experts
+        self.dropless = dropless  # the router drops no pair (no capacity): no size to read back, no graph break
 
     def chunks(self, num_tokens: int) -> list[slice]:
         return [slice(0, num_tokens)]
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
                  topk_weights_TK: torch.Tensor) -> Ready[Dispatched]:
-        return Ready(sort_by_expert(x_TD, topk_idx_TK, topk_weights_TK, self.num_experts))
+        return Ready(sort_by_expert(x_TD, topk_idx_TK, topk_weights_TK, self.num_experts, dropless=self.dropless))
 
     def combine(self, y_ND: torch.Tensor, d: Dispatched, x_TD: torch.Tensor) -> Ready[torch.Tensor]:
         return Ready(weighted_sum_back(y_ND, d, x_TD))
@@ -589,7 +595,8 @@ class MoE(nn.Module):
         self.router = Router(cfg.dim, m)
         self.experts = GroupedExperts(m.num_experts, cfg.dim, m.ffn_dim, impl=m.expert_impl)
         self.shared_experts = FeedForward(cfg.dim, m.shared_width) if m.num_shared_experts else None
-        self.dispatcher: TokenDispatcher = LocalDispatcher(m.num_experts)  # expert parallelism swaps in its own
+        # expert parallelism swaps in its own
+        self.dispatcher: TokenDispatcher = LocalDispatcher(m.num_experts, dropless=m.capacity_factor is None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])

@@ -61,8 +61,10 @@ _tracer: RssTracer | None = None
 
 def phase_range(name: str):
     """`with phase_range(phases.ATTENTION): ...` (a plain record_function unless an RssTracer is on)."""
+    if torch.compiler.is_compiling():  # dynamo drops record_function from its graphs (with a warning each time)
+        return contextlib.nullcontext()
     tracer = _tracer
-    if tracer is None or torch.compiler.is_compiling() or threading.get_ident() != tracer._thread:
+    if tracer is None or threading.get_ident() != tracer._thread:
         return record_function(name)
     return _traced(tracer, name)
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from moeflow.core.model_config import ModelConfig, MoEConfig
 from moeflow.models.moe import GroupedExperts, MoE, Router, expert_matmuls, permute_by_expert
+from tests.support.host_syncs import count_host_syncs
 from tests.support.model_helpers import SMALL
 from tests.support.numerics import assert_same_up_to_order
 
@@ -126,6 +127,56 @@ def test_permute_by_expert_hand_example():
     order, counts = permute_by_expert(topk_idx, 4)
     assert counts.tolist() == [1, 1, 2, 0]
     assert order.tolist() == [1, 4, 0, 3]  # flat t*K+k positions: e0 (t0), e1 (t2), e2 (t0, t1)
+
+    # dropless (no -1 can occur): every pair is kept without reading the count back
+    order, counts = permute_by_expert(torch.tensor([[2, 0], [3, 2], [1, 0]]), 4, dropless=True)
+    assert counts.tolist() == [2, 1, 2, 1] and order.tolist() == [1, 5, 4, 0, 3, 2]
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_a_dropless_moe_layer_traces_as_one_graph(capacity_factor):
+    """torch.compile takes the dropless layer (routing, sort, grouped matmuls, combine) whole: no size is read back
+    to the host (tests/support/host_syncs.py counts none). With a capacity the kept pairs' count is data dependent:
+    the graph breaks where it is read.
+    (In bf16: torch._grouped_mm's shape function checks the CUDA kernel's bf16 inputs, whatever the device.)"""
+    cfg = ModelConfig(dim=16, moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=16, capacity_factor=capacity_factor,
+                                            expert_impl="grouped_mm", load_balance="none")).validate()
+    torch.manual_seed(0)
+    moe = MoE(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in moe.parameters():  # (the model's init_weights sets them in a whole model)
+            p.normal_(0, 0.3)
+    x = torch.randn(2, 6, 16, dtype=torch.bfloat16)
+    explained = torch._dynamo.explain(moe)(x)
+    torch._dynamo.reset()
+    if capacity_factor is not None:
+        assert "Tensor.item()" in explained.break_reasons[0].reason
+        return
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(moe, backend="eager", fullgraph=True)  # a graph break would raise here
+    torch.testing.assert_close(compiled(x), moe(x), rtol=0, atol=0)
+    torch._dynamo.reset()
+    with count_host_syncs() as syncs:  # and eagerly, forward and backward, nothing is read back either
+        moe(x).float().sum().backward()
+    assert sum(syncs.values()) == 0, dict(syncs)
+
+
+
+@pytest.mark.parametrize("autocast_dtype, impl", [(torch.bfloat16, "auto"), (None, "bmm")])
+def test_compiled_blocks_keep_the_grouped_gemm_under_bf16_autocast(autocast_dtype, impl):
+    """training.compile on fp32 weights: under bf16 autocast the experts take bf16 rows and keep grouped_mm (which
+    torch.compile traces in bf16 only); in fp32 they take the padded bmm, which it traces."""
+    from moeflow.core.parallel_dims import ParallelDims
+    from moeflow.models.transformer import Transformer
+    from moeflow.parallel.options import ParallelOptions
+    from moeflow.parallel.parallelize import parallelize
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=32,
+                      moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=32, first_k_dense=1)).validate()
+    model = Transformer(cfg)
+    parallelize(model, ParallelDims(1), ParallelOptions(compile=True, autocast_dtype=autocast_dtype))
+    assert model.layers["1"].feed_forward.experts.impl == impl
+    torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------------------------------------ Router
