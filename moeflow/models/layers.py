@@ -26,9 +26,12 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
 
 
 def autocast_on(x: torch.Tensor) -> bool:
-    """Whether autocast is enabled for x's device type (False for types autocast does not know, e.g. meta)."""
+    """Whether autocast is enabled for x's device type (False for types autocast does not know, e.g. meta).
+    Compiled code runs on a device autocast knows, and skips the availability check: torch 2.11's dynamo cannot
+    trace it (a graph break at every call)."""
     device_type = x.device.type
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    known = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
+    return known and torch.is_autocast_enabled(device_type)
 
 
 class RMSNorm(nn.Module):

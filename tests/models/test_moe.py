@@ -162,6 +162,29 @@ def test_a_dropless_moe_layer_traces_as_one_graph(capacity_factor):
 
 
 
+def test_a_transformer_block_traces_as_one_graph_under_bf16_autocast(monkeypatch):
+    """A whole block (norms, GQA attention with per-head qk norm, the dropless MoE) under bf16 autocast: one graph,
+    as training.compile traces it, even where dynamo cannot trace torch.amp.is_autocast_available (torch 2.11: a
+    graph break at each autocast check, six in this block; mimicked here by hiding the function from dynamo)."""
+    from moeflow.models.transformer import Transformer
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", torch._dynamo.disable(torch.amp.is_autocast_available))
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64,
+                      max_seq_len=32, qk_norm="per_head",
+                      moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=32, load_balance="none")).validate()
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    seen = {}
+    hook = model.layers["1"].register_forward_pre_hook(lambda m, args, kwargs: seen.update(a=args, k=kwargs),
+                                                       with_kwargs=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 64, (2, 16)))
+        hook.remove()
+        explained = torch._dynamo.explain(model.layers["1"])(*seen["a"], **seen["k"])
+    torch._dynamo.reset()
+    assert explained.graph_break_count == 0, [r.reason.splitlines()[0] for r in explained.break_reasons]
+
+
 @pytest.mark.parametrize("autocast_dtype, impl", [(torch.bfloat16, "auto"), (None, "bmm")])
 def test_compiled_blocks_keep_the_grouped_gemm_under_bf16_autocast(autocast_dtype, impl):
     """training.compile on fp32 weights: under bf16 autocast the experts take bf16 rows and keep grouped_mm (which
