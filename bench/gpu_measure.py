@@ -14,9 +14,9 @@ figures (DIR/gpu_measure.json is rewritten after each part; DIR/gpu_measure.log 
              moeflow.models.moe.DEFAULT_EXPERT_IMPL["cuda"] should name.
   train      `moeflow train` on one GPU: a Qwen3-MoE-shaped model (24 layers, D=1024, 16 heads of 64, 4 KV heads,
              64 experts of width 192, top-8, Qwen3's vocabulary size; 1.28B parameters, 0.49B active) at sequence
-             length 4096, bf16, compiled blocks, 30 steps: tokens/s after warm-up, and MFU two ways against the
-             device's bf16 dense peak: the trainer's (6 x active matmul parameters + causal attention, per token)
-             and 6 x active matmul parameters alone. Target: 35%.
+             length 4096, bf16, compiled blocks, 30 steps: tokens/s over the 20 after warm-up, and MFU two ways
+             against the device's bf16 dense peak: the trainer's (6 x active matmul parameters + causal attention,
+             per token) and 6 x active matmul parameters alone. Target: 35%.
   fp8        bench/fp8.py: tensorwise and rowwise FP8 against bf16, 50 steps from one seed: each step's loss
              difference and tokens/s.
 """
@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -41,7 +40,8 @@ sys.path.insert(0, str(REPO))
 PARTS = ("moe_layer", "train", "fp8")
 LIMITS_S = {"moe_layer": 90, "train": 200, "fp8": 110}  # 400 s in all; the train part's first steps compile
 MFU_TARGET = 0.35
-WARMUP_STEPS = 10  # the first steps compile and fill the allocator's cache; tokens/s is the median of the rest
+WARMUP_STEPS = 10  # the first steps compile and fill the allocator's cache; tokens/s is over the steps after them
+LOG_EVERY = 5  # metrics (and the routers' statistics, read back to the host) every 5 steps, as a run would log them
 
 MOE_LAYER = {  # bench/moe_layer.py's shape arguments
     "cuda": ["--tokens", "8192", "--experts", "64", "--topk", "8", "--hidden", "2048", "--ffn", "1408",
@@ -60,7 +60,7 @@ TRAIN = {  # the model and batch of the train part
             "--training.global_batch=4", "--training.micro_batch=2", f"--training.steps={WARMUP_STEPS + 2}"],
 }
 TRAIN_COMMON = ["--training.dtype=bf16", "--training.lr=6e-4", "--training.warmup_steps=5", "--eval.every=0",
-                "--metrics.log_every=1", "--metrics.tensorboard=false", "--checkpoint.enabled=false",
+                f"--metrics.log_every={LOG_EVERY}", "--metrics.tensorboard=false", "--checkpoint.enabled=false",
                 "--no-progress", "--fresh"]
 FP8_STEPS = {"cuda": 50, "cpu": 3}
 
@@ -106,13 +106,17 @@ def train_figures(run_dir: Path, overrides: list[str], device: str) -> dict:
     seq_len = int(next(a for a in overrides if a.startswith("--data.seq_len=")).split("=")[1])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
-    timed = rows[WARMUP_STEPS:] or rows
-    tokens_per_s = statistics.median(r["tokens_per_s"] for r in timed)
+    # each logged row's tokens/s is over the steps since the row before: the timed steps are the windows wholly after
+    # the warm-up (else the last window), and their tokens over their time is the rate over exactly those steps
+    steps = [r["step"] for r in rows]
+    windows = [(step - before, r["tokens_per_s"], step) for before, step, r in zip([0, *steps], steps, rows)]
+    timed = [(n, rate) for n, rate, step in windows if step - n >= WARMUP_STEPS] or [windows[-1][:2]]
+    tokens_per_s = sum(n for n, _ in timed) / sum(n / rate for n, rate in timed)
     peak = peak_flops_per_device(torch.device(device), "bf16")
     flops_6n = model.flops_per_token(0)  # 6 x active matmul parameters (no attention term at sequence length 0)
     out = {"params": model.num_params(), "active_params": model.num_active_params(), "seq_len": seq_len,
            "flops_per_token": model.flops_per_token(seq_len), "flops_per_token_6n": flops_6n,
-           "steps": len(rows), "timed_steps": len(timed), "tokens_per_s": tokens_per_s,
+           "steps": steps[-1], "timed_steps": sum(n for n, _ in timed), "tokens_per_s": tokens_per_s,
            "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"],
            "peak_memory_mb": max(v for r in rows for k, v in r.items() if k.startswith("peak_memory")),
            "peak_flops": peak, "mfu_target": MFU_TARGET}
