@@ -389,9 +389,14 @@ class LocalDispatcher:
     """Every expert lives in this process: dispatch sorts the token copies by expert, combine sums them back.
     One chunk, and nothing is ever in flight."""
 
-    def __init__(self, num_experts: int, dropless: bool = False):
+    def __init__(self, num_experts: int, routing: MoEConfig | None = None):
         self.num_experts = num_experts
-        self.dropless = dropless  # the router drops no pair (no capacity): no size to read back, no graph break
+        self.routing = routing  # the router's settings, read at each dispatch as the router reads them
+
+    @property
+    def dropless(self) -> bool:
+        """The router drops no pair (no capacity): no size to read back, no graph break."""
+        return self.routing is not None and self.routing.capacity_factor is None
 
     def chunks(self, num_tokens: int) -> list[slice]:
         return [slice(0, num_tokens)]
@@ -596,7 +601,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(m.num_experts, cfg.dim, m.ffn_dim, impl=m.expert_impl)
         self.shared_experts = FeedForward(cfg.dim, m.shared_width) if m.num_shared_experts else None
         # expert parallelism swaps in its own
-        self.dispatcher: TokenDispatcher = LocalDispatcher(m.num_experts, dropless=m.capacity_factor is None)
+        self.dispatcher: TokenDispatcher = LocalDispatcher(m.num_experts, m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])

@@ -60,7 +60,8 @@ _tracer: RssTracer | None = None
 
 
 def phase_range(name: str):
-    """`with phase_range(phases.ATTENTION): ...` (a plain record_function unless an RssTracer is on)."""
+    """`with phase_range(phases.ATTENTION): ...` (a plain record_function unless an RssTracer is on; nothing in
+    compiled code)."""
     if torch.compiler.is_compiling():  # dynamo drops record_function from its graphs (with a warning each time)
         return contextlib.nullcontext()
     tracer = _tracer

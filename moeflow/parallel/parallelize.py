@@ -181,11 +181,12 @@ def compile_blocks(b: _Build) -> None:
         return
     for block in b.blocks().values():
         for experts in (m for m in block.modules() if isinstance(m, GroupedExperts)):
-            # the experts' input dtype: autocast's (MoE.forward casts it), else the weights'
-            compute = experts.w1.new_empty(0, dtype=b.options.autocast_dtype or experts.w1.dtype)
-            if experts.resolve_impl(compute) == "grouped_mm" and compute.dtype == torch.float32:
-                # torch 2.13 traces _grouped_mm only for bf16 (its fake-tensor rule), though the eager CPU
-                # kernel takes fp32: compiled fp32 experts use the padded-bmm path instead.
+            # the experts' input: autocast's dtype (MoE.forward casts it), else the weights', on the device the
+            # model runs on (the weights may still be on the meta device)
+            compute = torch.empty(0, dtype=b.options.autocast_dtype or experts.w1.dtype, device=b.device_type)
+            if experts.resolve_impl(compute) == "grouped_mm" and compute.dtype != torch.bfloat16:
+                # torch traces _grouped_mm only for bf16 (its fake-tensor rule), though the eager CPU kernel
+                # takes fp32: compiled fp32 or fp16 experts use the padded-bmm path instead.
                 experts.impl = "bmm"
         block.compile()
 

@@ -45,7 +45,7 @@ def launch(nproc: int, rest: list[str], run_dir: str, max_restarts: int) -> int:
     # The agent's folders for each attempt's per-rank error files: in a temporary folder of ours, removed after the
     # job, where the agent's default (a torchelastic_* folder in the temp dir) is left behind by every launch.
     # The failure report reads exit codes, not those files.
-    agent_logs = tempfile.TemporaryDirectory(prefix="moeflow-launch-")
+    agent_logs = tempfile.TemporaryDirectory(prefix="moeflow-launch-", ignore_cleanup_errors=True)
     try:
         torchrun(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
                   f"--signals-to-handle={HANDLED_SIGNALS}", f"--log-dir={agent_logs.name}", "--no-python",

@@ -121,9 +121,9 @@ def test_two_processes_train_and_match_one(tiny_args, tmp_path):
     temp = tmp_path / "temp"
     temp.mkdir()
     two = run_cli([*args, f"--run-dir={tmp_path / 'two'}", "--nproc-per-node", "2"], env={"TMPDIR": str(temp)})
-    assert list(temp.iterdir()) == []
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
+    assert list(temp.iterdir()) == []
     assert "FSDP2" in two.stdout and "summary" in two.stdout
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert a.keys() == b.keys()

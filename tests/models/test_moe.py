@@ -160,6 +160,15 @@ def test_a_dropless_moe_layer_traces_as_one_graph(capacity_factor):
         moe(x).float().sum().backward()
     assert sum(syncs.values()) == 0, dict(syncs)
 
+    # a capacity set on the built layer: the router drops pairs and the dispatch skips them, as when built with it
+    moe.router.cfg.capacity_factor = 0.5
+    twin = MoE(ModelConfig(dim=16, moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=16, capacity_factor=0.5,
+                                                 expert_impl="grouped_mm", load_balance="none")).validate())
+    twin.load_state_dict(moe.state_dict())
+    twin.to(torch.bfloat16)
+    torch.testing.assert_close(moe(x), twin(x), rtol=0, atol=0)
+    assert moe.router.last_dropped.item() > 0
+
 
 
 def test_a_transformer_block_traces_as_one_graph_under_bf16_autocast(monkeypatch):
@@ -185,10 +194,12 @@ def test_a_transformer_block_traces_as_one_graph_under_bf16_autocast(monkeypatch
     assert explained.graph_break_count == 0, [r.reason.splitlines()[0] for r in explained.break_reasons]
 
 
-@pytest.mark.parametrize("autocast_dtype, impl", [(torch.bfloat16, "auto"), (None, "bmm")])
-def test_compiled_blocks_keep_the_grouped_gemm_under_bf16_autocast(autocast_dtype, impl):
+@pytest.mark.parametrize("autocast_dtype, impl", [(torch.bfloat16, "auto"), (None, "bmm"), (torch.float16, "bmm")])
+@pytest.mark.parametrize("built_on", ["cpu", "meta"])
+def test_compiled_blocks_keep_the_grouped_gemm_under_bf16_autocast(autocast_dtype, impl, built_on):
     """training.compile on fp32 weights: under bf16 autocast the experts take bf16 rows and keep grouped_mm (which
-    torch.compile traces in bf16 only); in fp32 they take the padded bmm, which it traces."""
+    torch.compile traces in bf16 only); in fp32 or fp16 they take the padded bmm, which it traces. The same for a
+    model built on the meta device (the trainer's way when each rank reads its own share of a checkpoint)."""
     from moeflow.core.parallel_dims import ParallelDims
     from moeflow.models.transformer import Transformer
     from moeflow.parallel.options import ParallelOptions
@@ -196,8 +207,10 @@ def test_compiled_blocks_keep_the_grouped_gemm_under_bf16_autocast(autocast_dtyp
 
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=32,
                       moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=32, first_k_dense=1)).validate()
-    model = Transformer(cfg)
-    parallelize(model, ParallelDims(1), ParallelOptions(compile=True, autocast_dtype=autocast_dtype))
+    with torch.device(built_on):
+        model = Transformer(cfg)
+    parallelize(model, ParallelDims(1), ParallelOptions(compile=True, autocast_dtype=autocast_dtype,
+                                                        device_type="cpu"))
     assert model.layers["1"].feed_forward.experts.impl == impl
     torch._dynamo.reset()
 
