@@ -25,6 +25,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import traceback
 
 import torch
 
@@ -109,43 +110,64 @@ def main() -> None:
                     help="fail (exit status 1) if an FP8 run's loss strays further than this from bf16 at any step")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    results = {}
     runs, left_out = runs_here()
     for name, why in left_out.items():
         print(f"# {name}: left out here ({why})")
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, (model, _, fp8, dtype) in runs.items():
-            results[name] = run(model, fp8, dtype, args.steps, os.path.join(tmp, name.replace(" ", "_")))
     import torchao
 
     meta = dict(machine=platform.machine(), cpu_count=os.cpu_count(), python=platform.python_version(),
                 torch=torch.__version__, torchao=torchao.__version__, platform=platform.platform(),
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 common=COMMON, steps=args.steps, left_out=left_out)
+    os.makedirs(args.out, exist_ok=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (model, _, fp8, dtype) in runs.items():
+            try:
+                results[name] = run(model, fp8, dtype, args.steps, os.path.join(tmp, name.replace(" ", "_")))
+            except Exception as e:  # one run that fails leaves the others' figures
+                traceback.print_exc()
+                results[name] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
+            compare(results, runs)
+            with open(os.path.join(args.out, "fp8.json"), "w") as fh:  # after each run: a timeout keeps the rest
+                json.dump({"meta": meta, "results": results}, fh, indent=1)
     print(f"# {meta['platform']}, {meta['cpu_count']} CPUs, {meta['device']}, python {meta['python']}, "
           f"torch {meta['torch']}, torchao {meta['torchao']}")
     print(f"# {args.steps} steps, {' '.join(COMMON)}")
     print("| run | first loss | final loss | max rel. diff vs bf16 | mean rel. diff | tokens/s | vs bf16 |")
     print("|---|---|---|---|---|---|---|")
-    for name, (_, base, _, _) in runs.items():
-        r = results[name]
-        if base is None:
-            r.update(max_rel=0.0, mean_rel=0.0, speed=1.0)
+    for name, r in results.items():
+        if "error" in r:
+            print(f"| {name} | failed: {r['error']} | | | | | |")
+        elif "max_rel" not in r:
+            print(f"| {name} | {r['loss'][0]:.4f} | {r['loss'][-1]:.4f} | (its baseline failed) | | "
+                  f"{r['tokens_per_s']:,.0f} | |")
         else:
-            b = results[base]
-            rel = [abs(x - y) / y for x, y in zip(r["loss"], b["loss"])]
-            r.update(max_rel=max(rel), mean_rel=sum(rel) / len(rel), speed=r["tokens_per_s"] / b["tokens_per_s"])
-        print(f"| {name} | {r['loss'][0]:.4f} | {r['loss'][-1]:.4f} | {100 * r['max_rel']:.2f}% | "
-              f"{100 * r['mean_rel']:.2f}% | {r['tokens_per_s']:,.0f} | {r['speed']:.2f}x |")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fp8.json"), "w") as fh:
-        json.dump({"meta": meta, "results": results}, fh, indent=1)
-    write_png(results, os.path.join(args.out, "fp8.png"))
+            print(f"| {name} | {r['loss'][0]:.4f} | {r['loss'][-1]:.4f} | {100 * r['max_rel']:.2f}% | "
+                  f"{100 * r['mean_rel']:.2f}% | {r['tokens_per_s']:,.0f} | {r['speed']:.2f}x |")
+    write_png({k: r for k, r in results.items() if "loss" in r}, os.path.join(args.out, "fp8.png"))
     print(f"wrote {args.out}/fp8.json and fp8.png")
+    failed = [n for n, r in results.items() if "max_rel" not in r]
+    if failed:
+        sys.exit(f"FP8 runs that failed or lost their baseline: {failed}")
     if args.max_rel is not None:
         strays = [n for n, (_, base, fp8, _) in runs.items() if fp8 != "none" and results[n]["max_rel"] > args.max_rel]
         if strays:
             sys.exit(f"FP8 runs further than {args.max_rel:.0%} from bf16: {strays}")
+
+
+def compare(results: dict, runs: dict) -> None:
+    """Each finished run against its baseline: the largest and mean relative loss difference per step, the speed."""
+    for name, r in results.items():
+        base = runs[name][1]
+        if "error" in r:
+            continue
+        if base is None:
+            r.update(max_rel=0.0, mean_rel=0.0, speed=1.0)
+        elif base in results and "error" not in results[base]:
+            b = results[base]
+            rel = [abs(x - y) / y for x, y in zip(r["loss"], b["loss"])]
+            r.update(max_rel=max(rel), mean_rel=sum(rel) / len(rel), speed=r["tokens_per_s"] / b["tokens_per_s"])
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -76,7 +77,7 @@ def run_part(name: str, argv: list[str], log: Path, limit_s: float) -> dict:
         except subprocess.TimeoutExpired:
             rc = 124
     seconds = time.perf_counter() - start
-    with log.open() as fh:
+    with log.open(errors="replace") as fh:  # a child killed mid-write may leave half a character
         fh.seek(offset)
         output = fh.read()
     print(output, end="", flush=True)
@@ -104,7 +105,12 @@ def train_figures(run_dir: Path, overrides: list[str], device: str) -> dict:
 
     model = load_config(None, parse_overrides(overrides)).model
     seq_len = int(next(a for a in overrides if a.startswith("--data.seq_len=")).split("=")[1])
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # the line a child killed at its time limit was writing
+            continue
     rows = [r for r in rows if "loss" in r]
     # each logged row's tokens/s is over the steps since the row before: the timed steps are the windows wholly after
     # the warm-up (else the last window), and their tokens over their time is the rate over exactly those steps
@@ -118,7 +124,7 @@ def train_figures(run_dir: Path, overrides: list[str], device: str) -> dict:
            "flops_per_token": model.flops_per_token(seq_len), "flops_per_token_6n": flops_6n,
            "steps": steps[-1], "timed_steps": sum(n for n, _ in timed), "tokens_per_s": tokens_per_s,
            "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"],
-           "peak_memory_mb": max(v for r in rows for k, v in r.items() if k.startswith("peak_memory")),
+           "peak_memory_mb": max(r["peak_memory_mb"] for r in rows),
            "peak_flops": peak, "mfu_target": MFU_TARGET}
     if peak:
         out["mfu"] = tokens_per_s * out["flops_per_token"] / peak
@@ -128,9 +134,11 @@ def train_figures(run_dir: Path, overrides: list[str], device: str) -> dict:
 
 
 def fp8_figures(out: Path) -> dict:
+    """Each run's figures against its baseline, or its error (bench/fp8.py writes its JSON after each run)."""
     r = json.loads((out / "fp8.json").read_text())["results"]
     return {name: {k: v[k] for k in ("tokens_per_s", "max_rel", "mean_rel", "speed")} | {
-        "first_loss": v["loss"][0], "final_loss": v["loss"][-1]} for name, v in r.items()}
+        "first_loss": v["loss"][0], "final_loss": v["loss"][-1]} if "max_rel" in v else
+        {"error": v.get("error", "its baseline failed")} for name, v in r.items()}
 
 
 def summary_lines(parts: dict) -> list[str]:
@@ -145,7 +153,8 @@ def summary_lines(parts: dict) -> list[str]:
             lines.append(f"moe_layer: {f['moeflow_impl']} {f['moeflow_to_dense_floor']:.2f}x the dense floor (target "
                          f"<= {f['target_to_dense_floor']}x), {f['speedup_vs_hf_grouped_mm']:.2f}x faster than "
                          f"hf[grouped_mm] (target >= {f['target_vs_hf']}x); fastest moeflow path "
-                         f"{f['fastest_moeflow_impl']}; outputs agree in fp32: {f['outputs_agree']}")
+                         f"{f['fastest_moeflow_impl']}; outputs agree in fp32: "
+                         f"{'not checked' if f['outputs_agree'] is None else f['outputs_agree']}")
         elif name == "train":
             mfu = (f"MFU {f['mfu_6n']:.1%} (6N), {f['mfu']:.1%} (with attention); target {MFU_TARGET:.0%}"
                    if f.get("peak_flops") else "MFU unknown (no peak FLOP/s for this device)")
@@ -154,7 +163,8 @@ def summary_lines(parts: dict) -> list[str]:
                          f"loss {f['first_loss']:.3f} -> "
                          f"{f['final_loss']:.3f}; peak memory {f['peak_memory_mb'] / 1024:.1f} GiB")
         elif name == "fp8":
-            lines.append("fp8: " + "; ".join(f"{k} {v['tokens_per_s']:,.0f} tok/s ({v['speed']:.2f}x), max "
+            lines.append("fp8: " + "; ".join(f"{k} failed ({v['error']})" if "error" in v else
+                                             f"{k} {v['tokens_per_s']:,.0f} tok/s ({v['speed']:.2f}x), max "
                                              f"{v['max_rel']:.2%} from bf16" for k, v in f.items()))
     return lines
 
@@ -185,14 +195,18 @@ def main(argv=None) -> int:
     figures = {"moe_layer": lambda: moe_layer_figures(args.out),
                "train": lambda: train_figures(args.out / "train", TRAIN[dev], dev),
                "fp8": lambda: fp8_figures(args.out)}
+    outputs = {"moe_layer": args.out / "moe_layer.json", "train": args.out / "train", "fp8": args.out / "fp8.json"}
     for name in parts_asked:
+        # an earlier run's output must not pass for this one's
+        shutil.rmtree(outputs[name]) if outputs[name].is_dir() else outputs[name].unlink(missing_ok=True)
         part = run_part(name, commands[name], log, LIMITS_S[name])
-        # out of time, the train part still has the steps it logged (the figures say how many)
-        if part["rc"] == 0 or (part["rc"] == 124 and name == "train"):
-            try:
-                part["figures"] = figures[name]()
-            except (OSError, KeyError, IndexError, ValueError) as exc:  # no figures (or too few) to read
-                part.update(rc=part["rc"] or 1, error=f"{type(exc).__name__}: {exc}")
+        # whatever a part left is read, failed or not: the train part's logged steps when out of time, fp8's
+        # finished runs when one of them fails (the figures say how many)
+        try:
+            part["figures"] = figures[name]()
+        except Exception as exc:  # nothing (or too little) to read: the part's own error comes first
+            why = f"no figures: {type(exc).__name__}: {exc}"
+            part.update(rc=part["rc"] or 1, error=f"{part['error']}; {why}" if part.get("error") else why)
         result["parts"][name] = part
         json_path.write_text(json.dumps(result, indent=1))
     lines = summary_lines(result["parts"])

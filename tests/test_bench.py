@@ -108,6 +108,10 @@ def test_gpu_measure_script_runs_on_a_cpu(tmp_path):
                        tmp_path / "failed.log", 60)
     assert part["rc"] != 0 and "training.steps" in part["error"], part
     assert gm.summary_lines({"train": part})[0].startswith("train: FAILED")
+    # a part out of its time: killed, rc 124, its last line kept
+    part = gm.run_part("slow", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"],
+                       tmp_path / "slow.log", 2)
+    assert part["rc"] == 124 and part["error"] == "out of its 2 s (last line: started)" and part["seconds"] < 10
     if not torch.cuda.is_available():
         shell = subprocess.run(["bash", str(BENCH / "gpu_measure.sh")], capture_output=True, text=True, timeout=120,
                                env={**env, "PYTHON": sys.executable})
