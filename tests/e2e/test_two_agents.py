@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,6 +44,8 @@ def _two_agents(run_dir, *more, faults=None) -> list[subprocess.CompletedProcess
     port = _port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-agents-{port}",
+           # the agents' per-attempt folders beside the run (torchrun's default puts them in the temp dir, to stay)
+           "--log-dir", str(Path(run_dir).parent / "agent-logs"),
            *more, "-m", "moeflow", "train", *TINY, "--parallel.ep=2", f"--run-dir={run_dir}"]
     agents = [subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
               for _ in range(2)]
