@@ -178,6 +178,8 @@ def main(argv=None) -> int:
     parts_asked = [p.strip() for p in args.parts.split(",") if p.strip()]
     if unknown := [p for p in parts_asked if p not in PARTS]:
         ap.error(f"--parts: unknown {unknown}; choose from {', '.join(PARTS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here; run it on a GPU, or --device cpu for the parts at toy sizes")
     args.out.mkdir(parents=True, exist_ok=True)
     log, json_path = args.out / "gpu_measure.log", args.out / "gpu_measure.json"
     log.write_text("")

@@ -468,6 +468,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    f"{', '.join(f'{DISPLAY_NAMES[a]} ({a})' for a in ARCHS)}; '' skips")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out", help="folder for the JSON and PNG")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here; use --device cpu")
     try:
         args.archs = parse_archs(args.archs, ARCHS)
     except ValueError as e:

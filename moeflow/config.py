@@ -605,7 +605,6 @@ class JobConfig:
             )
         return dims, dims.split_batch(t.global_batch, t.micro_batch, p.pp_microbatches)
 
-
     def _check_pipeline_boundaries(self, dims: ParallelDims) -> None:
         """parallel.pp_boundaries against the schedule's stages and model.n_layers, in the setting's own words (the
         split's check in moeflow.parallelize also takes per-stage layer lists and module names), with the even split

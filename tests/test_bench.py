@@ -55,6 +55,13 @@ def test_bench_archs_take_the_names_the_readme_uses():
     assert hf_models.parse_args(["--archs", "Llama 3,Qwen3,DeepSeek-V3"]).archs == ["llama", "qwen3", "deepseek_v3"]
     with pytest.raises(ValueError, match=r"unknown architecture 'Qwen2'; choose from Qwen3-MoE \(qwen3_moe\)"):
         moe_layer.parse_archs("Qwen2", moe_layer.ARCHS)
+    import torch
+
+    if not torch.cuda.is_available():  # one line naming the option, not a traceback from the first CUDA call
+        with pytest.raises(SystemExit):
+            moe_layer.parse_args(["--device", "cuda"])
+        with pytest.raises(SystemExit):
+            _bench_script("gpu_measure").main(["--device", "cuda"])
 
 
 @pytest.mark.slow  # 60 s: make test runs it, CI does not

@@ -389,21 +389,21 @@ class LocalDispatcher:
     """Every expert lives in this process: dispatch sorts the token copies by expert, combine sums them back.
     One chunk, and nothing is ever in flight."""
 
-    def __init__(self, num_experts: int, routing: MoEConfig | None = None):
-        self.num_experts = num_experts
+    def __init__(self, routing: MoEConfig):
         self.routing = routing  # the router's settings, read at each dispatch as the router reads them
 
     @property
     def dropless(self) -> bool:
         """The router drops no pair (no capacity): no size to read back, no graph break."""
-        return self.routing is not None and self.routing.capacity_factor is None
+        return self.routing.capacity_factor is None
 
     def chunks(self, num_tokens: int) -> list[slice]:
         return [slice(0, num_tokens)]
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
                  topk_weights_TK: torch.Tensor) -> Ready[Dispatched]:
-        return Ready(sort_by_expert(x_TD, topk_idx_TK, topk_weights_TK, self.num_experts, dropless=self.dropless))
+        return Ready(sort_by_expert(x_TD, topk_idx_TK, topk_weights_TK, self.routing.num_experts,
+                                    dropless=self.dropless))
 
     def combine(self, y_ND: torch.Tensor, d: Dispatched, x_TD: torch.Tensor) -> Ready[torch.Tensor]:
         return Ready(weighted_sum_back(y_ND, d, x_TD))
@@ -600,8 +600,7 @@ class MoE(nn.Module):
         self.router = Router(cfg.dim, m)
         self.experts = GroupedExperts(m.num_experts, cfg.dim, m.ffn_dim, impl=m.expert_impl)
         self.shared_experts = FeedForward(cfg.dim, m.shared_width) if m.num_shared_experts else None
-        # expert parallelism swaps in its own
-        self.dispatcher: TokenDispatcher = LocalDispatcher(m.num_experts, m)
+        self.dispatcher: TokenDispatcher = LocalDispatcher(m)  # expert parallelism swaps in its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
